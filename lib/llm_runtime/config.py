@@ -1,0 +1,139 @@
+"""Configuration dataclasses: what the model is (`ModelConfig`), parsed once from a Hugging Face config.
+
+Every default lives here, once. Configs are frozen and validate in `__post_init__`, so code
+that receives one can trust it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# model_type in config.json -> the feature switches our one decoder needs for it.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding parameters (theta plus an optional scaling rule)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    # Llama-3 frequency-dependent scaling; only read when rope_type == "llama3".
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope_type {self.rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if not (self.theta > 0 and self.factor > 0):
+            raise ValueError(f"rope theta and factor must be > 0, got {self.theta} and {self.factor}")
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "RopeConfig":
+        """Read both spellings: transformers >= 5 `rope_parameters`, older `rope_theta` + `rope_scaling`."""
+        params = dict(hf.get("rope_parameters") or {})
+        scaling = dict(hf.get("rope_scaling") or {})
+        merged = {**scaling, **params}
+        theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = merged.get("rope_type", merged.get("type", "default"))
+        return cls(
+            theta=float(theta),
+            rope_type=rope_type,
+            factor=float(merged.get("factor", 1.0)),
+            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder: Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q, k and v projections
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before rotary
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):
+            raise ValueError(f"rms_norm_eps must be a positive number, got {self.rms_norm_eps}")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        """How many query heads share one key/value head (grouped-query attention)."""
+        return self.num_heads // self.num_kv_heads
+
+    def kv_bytes_per_token(self, dtype_size: int) -> int:
+        """Bytes of K and V one token occupies across all layers: 2 x layers x kv heads x head dim x size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], generation: dict[str, Any] | None = None) -> "ModelConfig":
+        """Build from a Hugging Face `config.json` dict (and `generation_config.json`, for EOS ids)."""
+        model_type = hf.get("model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            architectures = ", ".join(hf.get("architectures") or []) or "none listed"
+            raise ValueError(
+                f"unsupported architecture: model_type {model_type!r} (architectures: {architectures}); "
+                f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if hf.get("use_sliding_window"):
+            raise ValueError("unsupported: sliding-window attention (use_sliding_window=true in config.json)")
+        num_heads = int(hf["num_attention_heads"])
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        eos = (generation or {}).get("eos_token_id", hf.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        return cls(
+            model_type=model_type,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf(hf),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # Qwen2's q/k/v projections always have a bias, whatever its config says.
+            attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            eos_token_ids=eos_ids,
+            bos_token_id=hf.get("bos_token_id"),
+        )

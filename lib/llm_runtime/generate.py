@@ -1,0 +1,74 @@
+"""Single-request generation: prefill the prompt once, then decode one token at a time from the KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .model import CausalLM
+from .sampling import Sampler, SamplingParams
+
+
+def validate_prompt(prompt_token_ids: Sequence[int], vocab_size: int, max_model_len: int) -> list[int]:
+    """The prompt as a list of ints, or a ValueError saying what is wrong with it."""
+    if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
+        raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(prompt_token_ids).__name__}")
+    ids = list(prompt_token_ids)
+    if not ids:
+        raise ValueError("prompt_token_ids is empty: give at least one token")
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
+        raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size})")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {max_model_len}")
+    return ids
+
+
+def max_new_tokens(params: SamplingParams, prompt_len: int, max_model_len: int) -> int:
+    """How many tokens a request may generate: max_tokens, and never past the context."""
+    room = max_model_len - prompt_len
+    if params.max_tokens is None:
+        return room
+    if params.max_tokens > room:
+        raise ValueError(
+            f"max_tokens={params.max_tokens} with a {prompt_len}-token prompt exceeds the model's "
+            f"context of {max_model_len} tokens (at most {room})"
+        )
+    return params.max_tokens
+
+
+@torch.inference_mode()
+def generate(
+    model: CausalLM,
+    prompt_token_ids: Sequence[int],
+    sampling_params: SamplingParams | None = None,
+    *,
+    sampler: Sampler | None = None,
+) -> list[int]:
+    """Generate for one prompt; returns the new token ids (EOS included when it ended the request)."""
+    params = sampling_params or SamplingParams()
+    config = model.config
+    prompt = validate_prompt(prompt_token_ids, config.vocab_size, config.max_position_embeddings)
+    budget = max_new_tokens(params, len(prompt), config.max_position_embeddings)
+    sampler = sampler or Sampler(device=model.device)
+    generator = params.make_generator(model.device)
+    eos_ids = set() if params.ignore_eos else set(config.eos_token_ids)
+    stop_ids = eos_ids | set(params.stop_token_ids)
+    # Before min_tokens are out, EOS and stop tokens are masked so they cannot end the request.
+    blocked = torch.tensor(sorted(stop_ids), dtype=torch.int64, device=model.device)
+
+    kv_cache = model.new_kv_cache(batch_size=1, max_seq_len=len(prompt) + budget)
+    input_ids = torch.tensor([prompt], device=model.device)  # (1, prompt_len): prefill
+    output: list[int] = []
+    while len(output) < budget:
+        hidden = model(input_ids, kv_cache)  # (1, T, hidden)
+        logits = model.compute_logits(hidden[:, -1])  # (1, vocab): only the last position is needed
+        if len(output) < params.min_tokens and len(blocked):
+            logits[:, blocked] = -torch.inf
+        token = sampler(logits, [params], [generator], [output], [prompt]).token_ids
+        token_id = int(token.item())  # the one host-device sync per token: we must know whether to stop
+        output.append(token_id)
+        if token_id in stop_ids:
+            break
+        input_ids = token[:, None]  # (1, 1): decode feeds back only the new token
+    return output

@@ -1,0 +1,79 @@
+"""`CausalLM`: one pure-PyTorch decoder for the Llama family (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3).
+
+`forward` returns hidden states and `compute_logits` turns the ones you need into logits, as in
+vLLM: generation only needs the last position's logits, and the vocabulary projection is large.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..kv_cache import ContiguousKVCache
+from .layers import DecoderLayer, RMSNorm
+from .rope import RotaryEmbedding
+
+
+class Model(nn.Module):
+    """Embeddings, the decoder layers and the final norm (Hugging Face's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model whose forward takes an explicit KV cache."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        kv_cache: ContiguousKVCache | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids (B, T) -> hidden states (B, T, hidden).
+
+        Without a cache the T tokens are the whole sequence. With one, they follow the
+        `kv_cache.num_tokens` tokens it holds, and their keys and values are appended to it.
+        Positions default to the slots the tokens occupy.
+        """
+        num_cached = kv_cache.num_tokens if kv_cache is not None else 0
+        if positions is None:
+            positions = torch.arange(num_cached, num_cached + input_ids.shape[1], device=input_ids.device)
+            positions = positions.expand(input_ids.shape[0], -1)  # (B, T)
+        x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
+        cos, sin = self.model.rotary_emb(positions, x.dtype)  # (B, T, head_dim) each
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(input_ids.shape[1])
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(..., hidden) -> (..., vocab_size)."""
+        return self.lm_head(hidden_states)
+
+    def new_kv_cache(self, batch_size: int, max_seq_len: int) -> ContiguousKVCache:
+        """A contiguous cache for this model, on its device and in its dtype."""
+        return ContiguousKVCache.for_model(self.config, batch_size, max_seq_len, dtype=self.dtype,
+                                           device=self.device)

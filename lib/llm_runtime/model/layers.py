@@ -1,0 +1,104 @@
+"""The blocks of a Llama-family decoder layer: RMSNorm, the gated MLP and grouped-query self-attention.
+
+Parameter names match Hugging Face checkpoints (`self_attn.q_proj`, `mlp.gate_proj`, ...), so a
+checkpoint's state dict loads without renaming.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import causal_attention
+from ..config import ModelConfig
+from ..kv_cache import ContiguousKVCache
+from .rope import apply_rotary
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, normalised in float32 as the reference implementation does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(input_dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """Self-attention with grouped-query heads, rotary positions and an explicit KV cache."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        # Qwen3 normalises each head of q and k before the rotation.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: ContiguousKVCache | None,
+    ) -> torch.Tensor:
+        """x (B, T, hidden) -> (B, T, hidden), reading and extending `kv_cache` when given."""
+        batch, num_new, _ = x.shape
+        q = self.q_proj(x).view(batch, num_new, self.num_heads, self.head_dim)  # (B, T, H, d)
+        k = self.k_proj(x).view(batch, num_new, self.num_kv_heads, self.head_dim)  # (B, T, KV, d)
+        v = self.v_proj(x).view(batch, num_new, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, d)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        num_cached = 0
+        if kv_cache is not None:
+            num_cached = kv_cache.num_tokens
+            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, KV, num_cached + T, d)
+        out = causal_attention(q, k, v, num_cached)  # (B, H, T, d)
+        out = out.transpose(1, 2).reshape(batch, num_new, self.num_heads * self.head_dim)  # (B, T, H*d)
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: ContiguousKVCache | None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))

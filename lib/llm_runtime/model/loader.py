@@ -1,0 +1,123 @@
+"""`load_model`: a name or folder in, our `CausalLM` and its tokenizer out.
+
+Where the weights come from, in order: `None` is the bundled SmolLM2 (converted once into a cache
+folder); an existing folder is read as a Hugging Face checkpoint (config.json + *.safetensors);
+anything shaped like `org/name` is downloaded from the Hugging Face hub. Failures say what was tried.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..config import ModelConfig
+from ..device import resolve_device, resolve_dtype
+from ..tokenizer import Tokenizer, load_tokenizer
+from .bundled import prepare_bundled_model
+from .causal_lm import CausalLM
+from .rope import inverse_frequencies
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+
+class ModelLoadError(ValueError):
+    """A model could not be found or loaded; the message lists every place that was tried."""
+
+
+def load_model(
+    name_or_path: str | Path | None = None,
+    *,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype = "auto",
+    cache_dir: str | Path | None = None,
+) -> tuple[CausalLM, Tokenizer]:
+    """Load (model, tokenizer): None = bundled SmolLM2-135M-Instruct, else a local folder or a hub id."""
+    resolved_device = resolve_device(device)
+    resolved_dtype = resolve_dtype(dtype, resolved_device)
+    folder = resolve_model_folder(name_or_path, cache_dir)
+    model = load_checkpoint(folder, device=resolved_device, dtype=resolved_dtype)
+    return model, load_tokenizer(folder)
+
+
+def resolve_model_folder(name_or_path: str | Path | None, cache_dir: str | Path | None = None) -> Path:
+    """The local folder that holds the checkpoint, downloading or converting it if needed."""
+    if name_or_path is None:
+        try:
+            return prepare_bundled_model(cache_dir)
+        except FileNotFoundError as error:
+            raise ModelLoadError(f"could not load the bundled model: {error}") from error
+    tried: list[str] = []
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    tried.append(f"local folder {str(path)!r}: does not exist")
+    name = str(name_or_path)
+    if _HUB_ID.match(name):
+        try:
+            return _download_from_hub(name, cache_dir)
+        except Exception as error:  # any hub failure (offline, unknown repo, gated) is reported the same way
+            tried.append(f"Hugging Face hub id {name!r}: {type(error).__name__}: {error}")
+    else:
+        tried.append(f"Hugging Face hub id {name!r}: not of the form 'organisation/name'")
+    raise ModelLoadError(f"could not load model {name!r}; tried:\n  - " + "\n  - ".join(tried))
+
+
+def _download_from_hub(repo_id: str, cache_dir: str | Path | None) -> Path:
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES, cache_dir=cache_dir))
+
+
+def read_model_config(folder: str | Path) -> ModelConfig:
+    """ModelConfig from a folder's config.json (and generation_config.json, for the EOS ids)."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"no config.json in {str(folder)!r}: not a Hugging Face model folder")
+    hf_config = json.loads(config_path.read_text())
+    generation_path = folder / "generation_config.json"
+    generation = json.loads(generation_path.read_text()) if generation_path.is_file() else None
+    try:
+        return ModelConfig.from_hf(hf_config, generation)
+    except (KeyError, ValueError) as error:
+        raise ModelLoadError(f"{str(config_path)!r}: {error}") from error
+
+
+def load_checkpoint(folder: str | Path, *, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """Build a CausalLM from a Hugging Face folder, placing each weight straight on `device` in `dtype`."""
+    folder = Path(folder)
+    config = read_model_config(folder)
+    weight_files = sorted(folder.glob("*.safetensors"))
+    if not weight_files:
+        found = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
+        raise ModelLoadError(f"no *.safetensors weights in {str(folder)!r} (found: {found})")
+
+    # Build the skeleton without allocating or initialising weights, then adopt the checkpoint's.
+    with torch.device("meta"):
+        model = CausalLM(config)
+    expected = set(model.state_dict())
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files:
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            for key in reader.keys():
+                if key in expected:
+                    state[key] = reader.get_tensor(key).to(device=device, dtype=dtype)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - set(state))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"checkpoint in {str(folder)!r} lacks weights: {shown}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # The rotary buffer is not in checkpoints; compute it on the device (kept in float32).
+    model.model.rotary_emb.inv_freq = inverse_frequencies(config.rope, config.head_dim).to(device)
+    model.eval().requires_grad_(False)
+    return model
