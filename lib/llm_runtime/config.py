@@ -137,3 +137,28 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
         )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine schedules: caps per step, context length, and the sampler's default seed."""
+
+    max_num_seqs: int = 32  # sequences running at once (decode batch size)
+    max_num_batched_tokens: int = 2048  # tokens in one forward pass, prefill chunks and decodes together
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_chunked_prefill: bool = True  # split a long prompt across steps to fit the token budget
+    seed: int = 0  # generator for requests without their own seed
+    record_steps: bool = False  # keep a StepRecord per step (lessons plot timelines from them)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}), so every running sequence can decode each step"
+            )
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2 or None, got {self.max_model_len!r}")

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections import abc
 
 import torch
 
 from .model import CausalLM
 from .sampling import Sampler, SamplingParams
+from .sequence import Sequence
 
 
-def validate_prompt(prompt_token_ids: Sequence[int], vocab_size: int, max_model_len: int) -> list[int]:
+def validate_prompt(prompt_token_ids: abc.Sequence[int], vocab_size: int, max_model_len: int) -> list[int]:
     """The prompt as a list of ints, or a ValueError saying what is wrong with it."""
-    if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
+    if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, abc.Sequence):
         raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(prompt_token_ids).__name__}")
     ids = list(prompt_token_ids)
     if not ids:
@@ -40,35 +42,32 @@ def max_new_tokens(params: SamplingParams, prompt_len: int, max_model_len: int) 
 @torch.inference_mode()
 def generate(
     model: CausalLM,
-    prompt_token_ids: Sequence[int],
+    prompt_token_ids: abc.Sequence[int],
     sampling_params: SamplingParams | None = None,
     *,
     sampler: Sampler | None = None,
 ) -> list[int]:
-    """Generate for one prompt; returns the new token ids (EOS included when it ended the request)."""
+    """Generate for one prompt; returns the new token ids (EOS included when it ended the request).
+
+    Stops at EOS (unless `ignore_eos`), a `stop_token_ids` token or `max_tokens`. Stop strings
+    need text, so they are honoured by the engine (`LLM`), which owns a tokenizer.
+    """
     params = sampling_params or SamplingParams()
     config = model.config
     prompt = validate_prompt(prompt_token_ids, config.vocab_size, config.max_position_embeddings)
     budget = max_new_tokens(params, len(prompt), config.max_position_embeddings)
     sampler = sampler or Sampler(device=model.device)
-    generator = params.make_generator(model.device)
-    eos_ids = set() if params.ignore_eos else set(config.eos_token_ids)
-    stop_ids = eos_ids | set(params.stop_token_ids)
-    # Before min_tokens are out, EOS and stop tokens are masked so they cannot end the request.
-    blocked = torch.tensor(sorted(stop_ids), dtype=torch.int64, device=model.device)
+    seq = Sequence("generate", prompt, params, max_new_tokens=budget, eos_token_ids=config.eos_token_ids,
+                   generator=params.make_generator(model.device))
 
     kv_cache = model.new_kv_cache(batch_size=1, max_seq_len=len(prompt) + budget)
     input_ids = torch.tensor([prompt], device=model.device)  # (1, prompt_len): prefill
-    output: list[int] = []
-    while len(output) < budget:
+    while not seq.is_finished:
         hidden = model(input_ids, kv_cache)  # (1, T, hidden)
         logits = model.compute_logits(hidden[:, -1])  # (1, vocab): only the last position is needed
-        if len(output) < params.min_tokens and len(blocked):
-            logits[:, blocked] = -torch.inf
-        token = sampler(logits, [params], [generator], [output], [prompt]).token_ids
-        token_id = int(token.item())  # the one host-device sync per token: we must know whether to stop
-        output.append(token_id)
-        if token_id in stop_ids:
-            break
+        token = sampler(logits, [params], [seq.generator], [seq.output_token_ids], [prompt],
+                        [seq.blocked_token_ids()]).token_ids
+        # The one host-device sync per token: we must know the token to decide whether to stop.
+        seq.append_token(int(token.item()), time.perf_counter())
         input_ids = token[:, None]  # (1, 1): decode feeds back only the new token
-    return output
+    return seq.output_token_ids

@@ -1,21 +1,38 @@
 """The KV cache: keys and values of every past token, kept so each decode step computes one token.
 
 `ContiguousKVCache` is the simplest layout: one preallocated tensor per layer, filled left to right.
-Later lessons add a paged cache behind the same two calls, `update` and `advance`.
+The model talks to any cache through two calls (the `KVCache` protocol): `attend` and `advance`;
+later lessons put batched and paged caches behind the same two calls.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
+from .attention import causal_attention
 from .config import ModelConfig
+
+
+class KVCache(Protocol):
+    """What the model's forward needs from a cache: attend over the past, then remember the new tokens."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store this step's k, v for `layer_idx` and return attention of q over all keys so far."""
+        ...
+
+    def advance(self, num_new_tokens: int) -> None:
+        """Called once per forward, after every layer has attended."""
+        ...
 
 
 class ContiguousKVCache:
     """Per layer, K and V of shape (batch, num_kv_heads, max_seq_len, head_dim).
 
     Invariant: positions [0, num_tokens) of every row hold real keys and values; the rest is unused.
-    A forward pass writes its T new tokens into every layer with `update`, then calls `advance(T)` once.
+    A forward pass writes its T new tokens into every layer (`attend` calls `update`), then calls
+    `advance(T)` once.
     """
 
     def __init__(
@@ -36,6 +53,9 @@ class ContiguousKVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_seq_len = max_seq_len
         self.num_tokens = 0
+        # Padded batches (static batching) mark which slots hold real tokens: (batch, max_seq_len).
+        # None means every filled slot is real.
+        self.key_mask: torch.Tensor | None = None
 
     @classmethod
     def for_model(
@@ -59,6 +79,13 @@ class ContiguousKVCache:
         self.keys[layer_idx][:, :, start:end] = k
         self.values[layer_idx][:, :, start:end] = v
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, H, T, d) for the T tokens after the cached ones; k, v (B, KV, T, d). -> (B, H, T, d)."""
+        num_cached = self.num_tokens
+        keys, values = self.update(layer_idx, k, v)  # (B, KV, num_cached + T, d)
+        key_mask = None if self.key_mask is None else self.key_mask[:, : keys.shape[2]]
+        return causal_attention(q, keys, values, num_cached, key_mask=key_mask)
 
     def advance(self, num_new_tokens: int) -> None:
         """Mark `num_new_tokens` more positions as filled (after every layer has written them)."""

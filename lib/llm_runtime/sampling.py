@@ -199,14 +199,24 @@ class Sampler:
         generators: Sequence[torch.Generator | None] | None = None,
         output_token_ids: Sequence[Sequence[int]] | None = None,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        blocked_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> SamplerOutput:
-        """logits (B, vocab) -> SamplerOutput with token_ids (B,)."""
+        """logits (B, vocab) -> SamplerOutput with token_ids (B,).
+
+        Per row: the generator for seeded requests, the tokens generated so far and the prompt
+        (for penalties), and tokens that must not be picked (EOS before `min_tokens`).
+        """
         batch, vocab = logits.shape
         if len(params) != batch:
             raise ValueError(f"got {len(params)} SamplingParams for {batch} rows of logits")
         generators = generators if generators is not None else [None] * batch
         raw_logits = logits.float()
         logits = raw_logits
+        if blocked_token_ids is not None and any(blocked_token_ids):
+            rows = [row for row, ids in enumerate(blocked_token_ids) for _ in ids]
+            columns = [token for ids in blocked_token_ids for token in ids]
+            index = (torch.tensor(rows, device=logits.device), torch.tensor(columns, device=logits.device))
+            logits = logits.index_put(index, torch.tensor(-math.inf, device=logits.device))
         if any(p.has_penalties for p in params):
             logits = apply_penalties(
                 logits, params, output_token_ids or [[]] * batch, prompt_token_ids or [[]] * batch

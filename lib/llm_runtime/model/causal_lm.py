@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..kv_cache import ContiguousKVCache
+from ..kv_cache import ContiguousKVCache, KVCache
 from .layers import DecoderLayer, RMSNorm
 from .rope import RotaryEmbedding
 
@@ -48,17 +48,20 @@ class CausalLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        kv_cache: ContiguousKVCache | None = None,
+        kv_cache: KVCache | None = None,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids (B, T) -> hidden states (B, T, hidden).
 
         Without a cache the T tokens are the whole sequence. With one, they follow the
         `kv_cache.num_tokens` tokens it holds, and their keys and values are appended to it.
-        Positions default to the slots the tokens occupy.
+        Positions default to the slots the tokens occupy; batches whose rows sit at different
+        positions (padded or ragged batches) pass them explicitly.
         """
-        num_cached = kv_cache.num_tokens if kv_cache is not None else 0
         if positions is None:
+            if kv_cache is not None and not isinstance(kv_cache, ContiguousKVCache):
+                raise ValueError(f"positions are required with a {type(kv_cache).__name__}")
+            num_cached = kv_cache.num_tokens if kv_cache is not None else 0
             positions = torch.arange(num_cached, num_cached + input_ids.shape[1], device=input_ids.device)
             positions = positions.expand(input_ids.shape[0], -1)  # (B, T)
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..attention import causal_attention
 from ..config import ModelConfig
-from ..kv_cache import ContiguousKVCache
+from ..kv_cache import KVCache
 from .rope import apply_rotary
 
 
@@ -66,7 +66,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: ContiguousKVCache | None,
+        kv_cache: KVCache | None,
     ) -> torch.Tensor:
         """x (B, T, hidden) -> (B, T, hidden), reading and extending `kv_cache` when given."""
         batch, num_new, _ = x.shape
@@ -78,11 +78,10 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, d)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-        num_cached = 0
-        if kv_cache is not None:
-            num_cached = kv_cache.num_tokens
-            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, KV, num_cached + T, d)
-        out = causal_attention(q, k, v, num_cached)  # (B, H, T, d)
+        if kv_cache is None:
+            out = causal_attention(q, k, v, num_cached=0)  # (B, H, T, d): the whole sequence is here
+        else:
+            out = kv_cache.attend(self.layer_idx, q, k, v)  # stores k, v and attends over all cached
         out = out.transpose(1, 2).reshape(batch, num_new, self.num_heads * self.head_dim)  # (B, T, H*d)
         return self.o_proj(out)
 
@@ -98,7 +97,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: ContiguousKVCache | None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache | None
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))

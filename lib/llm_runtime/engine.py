@@ -1,0 +1,159 @@
+"""`LLMEngine`: requests in, one step at a time, outputs out (vLLM's layer under `LLM`).
+
+    engine.add_request("a", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for output in engine.step():       # schedule -> run -> postprocess
+            print(output.request_id, output.outputs[0].text_delta)
+
+Bad input is refused in `add_request` with a ValueError, before anything enters the engine, so the
+requests already running are never disturbed by it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import abc
+from dataclasses import dataclass, field, replace
+
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .generate import max_new_tokens, validate_prompt
+from .model import CausalLM
+from .model_runner import ModelRunner
+from .outputs import RequestOutput, completion_output, request_metrics
+from .sampling import Sampler, SamplingParams
+from .scheduler import ScheduledBatch, Scheduler, StepRecord
+from .sequence import Sequence
+from .tokenizer import Tokenizer
+
+# What `add_request` accepts as a prompt: text, token ids, or vLLM's dict forms.
+Prompt = str | list[int] | dict
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[Sequence]
+    num_tokens_sent: list[int]
+
+
+class LLMEngine:
+    """Holds the scheduler, the model runner and every live request."""
+
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer | None, config: EngineConfig | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        limit = model.config.max_position_embeddings
+        self.max_model_len = min(self.config.max_model_len or limit, limit)
+        self.scheduler = Scheduler(self.config)
+        self.model_runner = ModelRunner(model, Sampler(seed=self.config.seed, device=model.device))
+        self.requests: dict[str, _Request] = {}
+        self.step_records: list[StepRecord] = []
+        self._num_steps = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and enqueue a request; raises ValueError (and changes nothing) on bad input."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        token_ids = validate_prompt(token_ids, self.model.config.vocab_size, self.max_model_len)
+        budget = max_new_tokens(params, len(token_ids), self.max_model_len)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        sequences = []
+        for index in range(params.n):
+            # As vLLM does for n > 1, completion i of a seeded request uses seed + i.
+            seq_params = params if params.seed is None or index == 0 else replace(params, seed=params.seed + index)
+            detokenizer = None
+            if self.tokenizer is not None:
+                detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+            sequences.append(Sequence(
+                request_id, token_ids, seq_params, max_new_tokens=budget,
+                eos_token_ids=self.model.config.eos_token_ids, detokenizer=detokenizer, index=index,
+                arrival_time=arrival, generator=seq_params.make_generator(self.model.device),
+            ))
+        self.requests[request_id] = _Request(request_id, text, token_ids, sequences, [0] * params.n)
+        for seq in sequences:
+            self.scheduler.add(seq)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return None, prompt["prompt_token_ids"]
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs a 'prompt' or 'prompt_token_ids' key")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass token ids instead")
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one token")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, abc.Sequence) and not isinstance(prompt, bytes):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now; its sequences finish with reason "abort" and free their caches."""
+        if request_id not in self.requests:
+            raise ValueError(f"unknown request id {request_id!r} (never added, or already finished)")
+        self.scheduler.abort(request_id)
+        del self.requests[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run the model, postprocess; returns outputs of requests that progressed."""
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            return []
+        sampled, logprobs = self.model_runner.run(batch)
+        now = time.perf_counter()
+        self.scheduler.postprocess(batch, sampled, now, logprobs)
+        if self.config.record_steps:
+            self._record(batch, start, now)
+        self._num_steps += 1
+        outputs = []
+        for request_id in dict.fromkeys(item.seq.request_id for item in batch.items):
+            request = self.requests.get(request_id)
+            if request is not None:
+                outputs.append(self._make_output(request))
+        return outputs
+
+    def _make_output(self, request: _Request) -> RequestOutput:
+        completions = []
+        for i, seq in enumerate(request.sequences):
+            completions.append(completion_output(seq, request.num_tokens_sent[i]))
+            request.num_tokens_sent[i] = seq.num_output_tokens
+        finished = all(seq.is_finished for seq in request.sequences)
+        if finished:
+            del self.requests[request.request_id]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             finished, request_metrics(request.sequences))
+
+    def _record(self, batch: ScheduledBatch, start: float, end: float) -> None:
+        items = [(it.seq.request_id, it.seq.index, it.num_new_tokens, it.is_prefill) for it in batch.items]
+        self.step_records.append(StepRecord(self._num_steps, start, end - start, items))
