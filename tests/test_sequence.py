@@ -77,3 +77,15 @@ def test_status_names_match_vllm() -> None:
     assert SequenceStatus.FINISHED_LENGTH.finish_reason == "length"
     assert SequenceStatus.FINISHED_ABORTED.finish_reason == "abort"
     assert SequenceStatus.RUNNING.finish_reason is None and not SequenceStatus.WAITING.is_finished
+
+
+@pytest.mark.slow
+def test_stop_token_text_is_dropped_unless_asked_for(tokenizer) -> None:
+    newline = tokenizer.encode("\n")[0]
+    tokens = tokenizer.encode("1. Red") + [newline]
+    for include, expected in [(False, "1. Red"), (True, "1. Red\n")]:
+        seq = _sequence(tokenizer, SamplingParams(stop_token_ids=[newline], include_stop_str_in_output=include))
+        for token in tokens:
+            seq.append_token(token, now=0.0)
+        assert seq.is_finished and seq.stop_reason == newline and seq.output_text == expected
+        assert seq.take_text_delta() == expected

@@ -152,11 +152,13 @@ class Sequence:
 
     def _check_stop(self, token_id: int, text_before: int, now: float) -> None:
         may_stop = self.num_output_tokens >= self.params.min_tokens
-        if may_stop and token_id in self.eos_token_ids:
-            self.finish(SequenceStatus.FINISHED_STOPPED, now)
-        elif may_stop and token_id in self.stop_token_ids:
-            self.stop_reason = token_id
-            self.finish(SequenceStatus.FINISHED_STOPPED, now)
+        if may_stop and (token_id in self.eos_token_ids or token_id in self.stop_token_ids):
+            if token_id not in self.eos_token_ids:
+                self.stop_reason = token_id
+            if not self.params.include_stop_str_in_output:
+                # As vLLM does, the stopping token's own text is not part of the output.
+                self.output_text = self.output_text[:text_before]
+            self.finish(SequenceStatus.FINISHED_STOPPED, now, flush=self.params.include_stop_str_in_output)
         elif may_stop and self._max_stop_len and self._find_stop_string(text_before):
             self.finish(SequenceStatus.FINISHED_STOPPED, now, flush=False)
         elif self.num_output_tokens >= self.max_new_tokens:
