@@ -146,7 +146,8 @@ def apply_penalties(
     repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
     frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
     presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-    # Repetition penalty (CTRL paper): push seen tokens towards zero logit, whatever their sign.
+    # Repetition penalty (CTRL paper): make seen tokens less likely whatever their logit's sign:
+    # positive logits are divided by the penalty, negative ones multiplied by it.
     penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = torch.where(seen, penalised, logits)
     logits = logits - frequency * output_counts - presence * (output_counts > 0)
@@ -264,11 +265,15 @@ class Sampler:
         # and each row's noise can come from that row's own generator.
         noise = torch.empty_like(probs)
         unseeded = [j for j, i in enumerate(rows) if generators[i] is None]
-        if unseeded:
+        if len(unseeded) == len(rows):
             noise.exponential_(generator=self.generator)
+        elif unseeded:
+            shared = torch.empty(len(unseeded), vocab, device=device).exponential_(generator=self.generator)
+            noise[torch.tensor(unseeded, device=device)] = shared
         for j, i in enumerate(rows):
             generator = generators[i]
             if generator is not None:
                 noise[j].exponential_(generator=generator)
-        sampled = (probs / noise).argmax(dim=-1)
+        # A zero draw would turn a filtered-out token's 0 / 0 into NaN, which argmax would pick.
+        sampled = (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
         return token_ids.index_copy(0, row_index, sampled)
