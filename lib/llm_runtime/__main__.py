@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     tokens = generate(model, prompt, params)
     elapsed = time.perf_counter() - start
-    print(tokenizer.decode(tokens, skip_special_tokens=True))
+    print(tokenizer.decode(tokens, skip_special_tokens=True), flush=True)
     print(f"[{len(tokens)} tokens in {elapsed:.2f} s on {model.device}, {model.dtype}]", file=sys.stderr)
     return 0
 
