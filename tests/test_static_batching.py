@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import TINY_FAMILIES
 from llm_runtime import SamplingParams, Sequence, StaticBatchRunner, generate
 from test_engine import make_workload
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import abc
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
