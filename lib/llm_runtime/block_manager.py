@@ -1,0 +1,197 @@
+"""Paged KV memory bookkeeping: which physical blocks hold which sequence's keys and values.
+
+The KV pool is cut into `num_blocks` blocks of `block_size` token slots. A sequence owns a *block
+table*, the list of its blocks in order; token t lives in slot t % block_size of block
+table[t // block_size]. Blocks are reference counted so that sequences can share them: a fork
+(parallel sampling) shares all of its parent's blocks, and prefix caching shares every full block
+whose tokens, and the tokens before them, are the same. A shared block is copied before a sequence
+writes into it (copy-on-write).
+
+With prefix caching, a full block is named by a hash chained from its parent block's hash and its
+own tokens, so equal hashes mean equal prefixes. A block whose last reference goes keeps its hash
+and contents, and can be revived by a later request, until it is evicted, least recently used first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence as TokenList
+from typing import Hashable
+
+NO_PARENT = 0
+
+
+def block_hash(parent_hash: int, token_ids: TokenList[int]) -> int:
+    """The name of a full block: its parent's hash and its own tokens (ints hash the same in every process)."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class BlockAllocator:
+    """A free list, a reference count per block, and the cache of freed blocks that keep a hash.
+
+    Invariants: a block is in exactly one of `free` (ref 0, no hash), `evictable` (ref 0, hashed,
+    LRU order) or in use (ref > 0); `num_free_blocks` = len(free) + len(evictable).
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.free: deque[int] = deque(range(num_blocks))
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.hash_of: dict[int, int] = {}  # block -> its hash, for full blocks that have one
+        self.block_of: dict[int, int] = {}  # hash -> block
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free) + len(self.evictable)
+
+    def allocate(self) -> int:
+        """A block with reference count 1: a never-used one if any, else the least recently freed cached one."""
+        if self.free:
+            block = self.free.popleft()
+        elif self.evictable:
+            block, _ = self.evictable.popitem(last=False)
+            del self.block_of[self.hash_of.pop(block)]
+        else:
+            raise RuntimeError("out of KV blocks: check num_free_blocks before allocating")
+        self.ref_counts[block] = 1
+        return block
+
+    def incref(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            self.evictable.pop(block)  # a cached block comes back into use
+        self.ref_counts[block] += 1
+
+    def decref(self, block: int) -> None:
+        if self.ref_counts[block] <= 0:
+            raise RuntimeError(f"block {block} freed more often than it was taken")
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if block in self.hash_of:
+                self.evictable[block] = None  # most recently used end
+            else:
+                self.free.append(block)
+
+    def lookup(self, hash_value: int) -> int | None:
+        return self.block_of.get(hash_value)
+
+    def set_hash(self, block: int, hash_value: int) -> None:
+        """Name a full, computed block so later requests can reuse it (first writer wins)."""
+        if block in self.hash_of or hash_value in self.block_of:
+            return
+        self.hash_of[block] = hash_value
+        self.block_of[hash_value] = block
+
+
+class BlockManager:
+    """Block tables per sequence on top of a BlockAllocator; `seq_key` is any hashable sequence id."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.allocator = BlockAllocator(num_blocks)
+        self.block_tables: dict[Hashable, list[int]] = {}
+        self._hashes: dict[Hashable, list[int]] = {}  # chained hashes of each table's full blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _prefix_hits(self, token_ids: TokenList[int]) -> list[int]:
+        """Cached blocks for the leading full blocks; never the whole prompt (its last token must run)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, parent = [], NO_PARENT
+        for start in range(0, len(token_ids) - 1 - self.block_size + 1, self.block_size):
+            parent = block_hash(parent, token_ids[start : start + self.block_size])
+            block = self.allocator.lookup(parent)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_allocate(self, token_ids: TokenList[int]) -> bool:
+        """Whether blocks for all of `token_ids` can be had now (cached prefix blocks reused)."""
+        hits = self._prefix_hits(token_ids)
+        revived = sum(1 for block in hits if self.allocator.ref_counts[block] == 0)
+        return self.blocks_needed(len(token_ids)) - len(hits) + revived <= self.num_free_blocks
+
+    def allocate(self, seq_key: Hashable, token_ids: TokenList[int]) -> int:
+        """Give `seq_key` a block table for `token_ids`; returns how many leading tokens are cached."""
+        if seq_key in self.block_tables:
+            raise ValueError(f"{seq_key!r} already has blocks")
+        if not self.can_allocate(token_ids):
+            raise RuntimeError("not enough free KV blocks: call can_allocate first")
+        hits = self._prefix_hits(token_ids)
+        for block in hits:
+            self.allocator.incref(block)
+        table = hits + [self.allocator.allocate() for _ in range(self.blocks_needed(len(token_ids)) - len(hits))]
+        self.block_tables[seq_key] = table
+        parent, hashes = NO_PARENT, []
+        for i in range(len(hits)):
+            parent = block_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            hashes.append(parent)
+        self._hashes[seq_key] = hashes
+        return len(hits) * self.block_size
+
+    def mark_computed(self, seq_key: Hashable, token_ids: TokenList[int], num_computed: int) -> None:
+        """After a step: name the blocks that became full and computed, so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        hashes, table = self._hashes[seq_key], self.block_tables[seq_key]
+        while (len(hashes) + 1) * self.block_size <= num_computed:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else NO_PARENT
+            hashes.append(block_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size]))
+            self.allocator.set_hash(table[i], hashes[-1])
+
+    def can_append(self, seq_key: Hashable, num_tokens: int) -> bool:
+        """Whether the table can grow to hold `num_tokens` and copy a shared last block if it must."""
+        needed = self.blocks_needed(num_tokens) - len(self.block_tables[seq_key])
+        return needed + (1 if self._needs_copy(seq_key, num_tokens) else 0) <= self.num_free_blocks
+
+    def _needs_copy(self, seq_key: Hashable, num_tokens: int) -> bool:
+        table = self.block_tables[seq_key]
+        write_block = (num_tokens - 1) // self.block_size
+        return write_block < len(table) and self.allocator.ref_counts[table[write_block]] > 1
+
+    def append_slots(self, seq_key: Hashable, num_tokens: int) -> list[tuple[int, int]]:
+        """Grow the table to hold `num_tokens`; returns the (source, destination) block copies to make."""
+        if not self.can_append(seq_key, num_tokens):
+            raise RuntimeError("not enough free KV blocks: call can_append first")
+        table = self.block_tables[seq_key]
+        copies = []
+        if self._needs_copy(seq_key, num_tokens):
+            # Copy-on-write: the token goes into a block someone else also reads.
+            write_block = (num_tokens - 1) // self.block_size
+            shared = table[write_block]
+            table[write_block] = self.allocator.allocate()
+            self.allocator.decref(shared)
+            copies.append((shared, table[write_block]))
+            del self._hashes[seq_key][write_block:]
+        while len(table) < self.blocks_needed(num_tokens):
+            table.append(self.allocator.allocate())
+        return copies
+
+    def fork(self, parent_key: Hashable, child_key: Hashable) -> None:
+        """The child shares every block of the parent (parallel sampling: one prompt, n completions)."""
+        if child_key in self.block_tables:
+            raise ValueError(f"{child_key!r} already has blocks")
+        table = list(self.block_tables[parent_key])
+        for block in table:
+            self.allocator.incref(block)
+        self.block_tables[child_key] = table
+        self._hashes[child_key] = list(self._hashes[parent_key])
+
+    def free(self, seq_key: Hashable) -> None:
+        """Release a sequence's blocks, last first, so a prefix outlives its tails in the cache."""
+        for block in reversed(self.block_tables.pop(seq_key)):
+            self.allocator.decref(block)
+        del self._hashes[seq_key]
