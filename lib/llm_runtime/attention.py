@@ -42,3 +42,25 @@ def causal_attention(
         # finite (its output is never used), where an all-masked row would produce NaN.
         mask = (mask & key_mask[:, None, None, :]) | (key_positions == query_positions)  # (B, 1, T, S)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    num_cached: int,
+) -> torch.Tensor:
+    """Causal attention for one sequence whose keys and values live in scattered blocks of a pool.
+
+    q (1, num_heads, T, head_dim) holds positions num_cached .. num_cached + T - 1; the pools are
+    (num_blocks, block_size, num_kv_heads, head_dim) and `block_table` (num_table_blocks,) lists
+    the sequence's blocks in order. The keys are gathered into a contiguous copy, then attended as usual.
+    """
+    num_keys = num_cached + q.shape[2]
+    block_size = key_pool.shape[1]
+    blocks = block_table[: -(-num_keys // block_size)]
+    keys = key_pool[blocks].flatten(0, 1)[:num_keys]  # (S, KV, d): the gather
+    values = value_pool[blocks].flatten(0, 1)[:num_keys]
+    keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # (1, KV, S, d)
+    return causal_attention(q, keys, values, num_cached)

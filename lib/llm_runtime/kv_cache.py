@@ -100,3 +100,55 @@ class ContiguousKVCache:
     def nbytes_used(self) -> int:
         """Bytes that hold real tokens."""
         return self.nbytes * self.num_tokens // self.max_seq_len
+
+
+class PagedKVCache:
+    """The KV pool of a paged cache: per layer, K and V of shape (num_blocks, block_size, num_kv_heads, head_dim).
+
+    Which blocks belong to which sequence is the BlockManager's business; this class only stores.
+    Token t of a sequence lives at flat slot table[t // block_size] * block_size + t % block_size.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if min(num_layers, num_blocks, block_size, num_kv_heads, head_dim) < 1:
+            raise ValueError("every paged KV cache dimension must be >= 1")
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @classmethod
+    def for_model(
+        cls, config: ModelConfig, num_blocks: int, block_size: int, *, dtype: torch.dtype, device: torch.device | str
+    ) -> "PagedKVCache":
+        return cls(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim,
+                   dtype=dtype, device=device)
+
+    def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v (N, num_kv_heads, head_dim) at flat slots `slot_mapping` (N,)."""
+        self.keys[layer_idx].view(-1, *k.shape[1:])[slot_mapping] = k  # (num_blocks * block_size, KV, d)
+        self.values[layer_idx].view(-1, *v.shape[1:])[slot_mapping] = v
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate whole blocks (source, destination) in every layer."""
+        if not copies:
+            return
+        sources = torch.tensor([s for s, _ in copies], device=self.keys[0].device)
+        destinations = torch.tensor([d for _, d in copies], device=self.keys[0].device)
+        for pool in self.keys + self.values:
+            pool[destinations] = pool[sources]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .kv_cache import ContiguousKVCache
+from .attention import paged_attention
+from .kv_cache import ContiguousKVCache, PagedKVCache
 from .model import CausalLM
 from .sampling import Sampler
 from .scheduler import ScheduledBatch
@@ -32,6 +33,36 @@ class RaggedKVBatch:
     def advance(self, num_new_tokens: int) -> None:
         for cache, count in zip(self.caches, self.num_new_tokens):
             cache.advance(count)
+
+
+class PagedKVBatch:
+    """A KVCache over a shared paged pool: new keys go through the slot mapping, each segment
+    attends over its own sequence's blocks (the block tables come from the BlockManager)."""
+
+    def __init__(
+        self, cache: PagedKVCache, block_tables: list[list[int]], starts: list[int], num_new_tokens: list[int]
+    ) -> None:
+        self.cache = cache
+        self.starts = starts
+        self.num_new_tokens = num_new_tokens
+        device = cache.keys[0].device
+        self.block_tables = [torch.tensor(table, device=device) for table in block_tables]
+        size = cache.block_size
+        slots = [table[p // size] * size + p % size
+                 for table, start, count in zip(block_tables, starts, num_new_tokens)
+                 for p in range(start, start + count)]
+        self.slot_mapping = torch.tensor(slots, device=device)  # (N,) flat slot of every new token
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (1, H, N, d), k, v (1, KV, N, d) -> (1, H, N, d)."""
+        self.cache.write(layer_idx, self.slot_mapping, k[0].transpose(0, 1), v[0].transpose(0, 1))  # (N, KV, d)
+        key_pool, value_pool = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        segments = zip(q.split(self.num_new_tokens, dim=2), self.block_tables, self.starts)
+        return torch.cat([paged_attention(qs, key_pool, value_pool, table, start) for qs, table, start in segments],
+                         dim=2)
+
+    def advance(self, num_new_tokens: int) -> None:
+        """Nothing to do: the block manager, not the pool, knows how many tokens each sequence has."""
 
 
 class ModelRunner:
