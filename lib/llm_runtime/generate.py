@@ -9,7 +9,7 @@ import torch
 
 from .model import CausalLM
 from .sampling import Sampler, SamplingParams
-from .sequence import Sequence
+from .sequence import Sequence, sample_sequences
 
 
 def validate_prompt(prompt_token_ids: abc.Sequence[int], vocab_size: int, max_model_len: int) -> list[int]:
@@ -65,8 +65,7 @@ def generate(
     while not seq.is_finished:
         hidden = model(input_ids, kv_cache)  # (1, T, hidden)
         logits = model.compute_logits(hidden[:, -1])  # (1, vocab): only the last position is needed
-        token = sampler(logits, [params], [seq.generator], [seq.output_token_ids], [prompt],
-                        [seq.blocked_token_ids()]).token_ids
+        token = sample_sequences(sampler, logits, [seq]).token_ids
         # The one host-device sync per token: we must know the token to decide whether to stop.
         seq.append_token(int(token.item()), time.perf_counter())
         input_ids = token[:, None]  # (1, 1): decode feeds back only the new token

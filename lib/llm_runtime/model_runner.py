@@ -15,6 +15,7 @@ from .kv_cache import ContiguousKVCache, PagedKVCache
 from .model import CausalLM
 from .sampling import Sampler
 from .scheduler import ScheduledBatch
+from .sequence import sample_sequences
 
 
 class RaggedKVBatch:
@@ -99,21 +100,20 @@ class ModelRunner:
         last = ends[sampling].to(device)
         logits = self.model.compute_logits(hidden[0, last])  # (R, vocab)
         seqs = [batch.items[i].seq for i in sampling]
-        out = self.sampler(
-            logits,
-            [seq.params for seq in seqs],
-            [seq.generator for seq in seqs],
-            [seq.output_token_ids for seq in seqs],
-            [seq.prompt_token_ids for seq in seqs],
-            [seq.blocked_token_ids() for seq in seqs],
-        )
+        out = sample_sequences(self.sampler, logits, seqs)
         sampled = out.token_ids.tolist()  # one host-device sync per step
-        for row, (i, seq) in enumerate(zip(sampling, seqs)):
+        for row, i in enumerate(sampling):
             results[i] = sampled[row]
-            if seq.params.logprobs is not None and out.logprobs is not None:
-                entry = {sampled[row]: float(out.logprobs[row])}
-                if out.top_token_ids is not None and out.top_logprobs is not None:
-                    k = seq.params.logprobs
-                    entry.update(zip(out.top_token_ids[row, :k].tolist(), out.top_logprobs[row, :k].tolist()))
+        if out.logprobs is not None:  # some row asked for logprobs: one more copy to the host
+            sampled_logprobs = out.logprobs.tolist()
+            top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+            top_logprobs = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+            for row, (i, seq) in enumerate(zip(sampling, seqs)):
+                k = seq.params.logprobs
+                if k is None:
+                    continue
+                entry = {sampled[row]: sampled_logprobs[row]}
+                if top_ids is not None and top_logprobs is not None:
+                    entry.update(zip(top_ids[row][:k], top_logprobs[row][:k]))
                 logprobs[i] = entry
         return results, logprobs

@@ -17,7 +17,7 @@ import torch
 
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import ContiguousKVCache
-from .sampling import SamplingParams
+from .sampling import Sampler, SamplerOutput, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -126,6 +126,8 @@ class Sequence:
         prompt = self.prompt_token_ids
         if end <= len(prompt):
             return prompt[start:end]
+        if start >= len(prompt):  # decode: only output tokens, no copy of the prompt
+            return self.output_token_ids[start - len(prompt) : end - len(prompt)]
         return (prompt + self.output_token_ids)[start:end]
 
     def blocked_token_ids(self) -> tuple[int, ...]:
@@ -203,3 +205,15 @@ class Sequence:
         return (f"Sequence({self.request_id!r}, index={self.index}, {self.status.name}, "
                 f"prompt={self.num_prompt_tokens}, output={self.num_output_tokens}, "
                 f"computed={self.num_computed_tokens})")
+
+
+def sample_sequences(sampler: Sampler, logits: torch.Tensor, sequences: list[Sequence]) -> SamplerOutput:
+    """Sample one token per row of logits (R, vocab), row i for sequences[i], with its own state."""
+    return sampler(
+        logits,
+        [seq.params for seq in sequences],
+        [seq.generator for seq in sequences],
+        [seq.output_token_ids for seq in sequences],
+        [seq.prompt_token_ids for seq in sequences],
+        [seq.blocked_token_ids() for seq in sequences],
+    )

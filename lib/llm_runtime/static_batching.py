@@ -17,7 +17,7 @@ import torch
 from .model import CausalLM
 from .sampling import Sampler
 from .scheduler import StepRecord
-from .sequence import Sequence, SequenceStatus
+from .sequence import Sequence, SequenceStatus, sample_sequences
 
 
 class StaticBatchRunner:
@@ -90,11 +90,7 @@ class StaticBatchRunner:
             active = [row for row, seq in enumerate(batch) if not seq.is_finished]
             logits = self.model.compute_logits(hidden[active, -1])  # finished rows' work is discarded
             seqs = [batch[row] for row in active]
-            tokens = self.sampler(
-                logits, [s.params for s in seqs], [s.generator for s in seqs],
-                [s.output_token_ids for s in seqs], [s.prompt_token_ids for s in seqs],
-                [s.blocked_token_ids() for s in seqs],
-            ).token_ids.tolist()
+            tokens = sample_sequences(self.sampler, logits, seqs).token_ids.tolist()
             now = time.perf_counter()
             for seq, token in zip(seqs, tokens):
                 seq.num_computed_tokens = seq.num_tokens
