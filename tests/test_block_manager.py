@@ -81,11 +81,12 @@ class Simulation:
         for block in range(allocator.num_blocks):
             assert allocator.ref_counts[block] == held.get(block, 0) >= 0
         assert allocator.num_free_blocks + len(held) == allocator.num_blocks
-        assert all(allocator.ref_counts[b] == 0 and b not in allocator.hash_of for b in allocator.free)
-        assert all(allocator.ref_counts[b] == 0 and b in allocator.hash_of for b in allocator.evictable)
-        assert set(allocator.free).isdisjoint(allocator.evictable)
-        for block, hash_value in allocator.hash_of.items():  # a cached block's contents match its hash
-            assert allocator.block_of[hash_value] == block
+        cache = allocator.prefix_cache
+        assert all(allocator.ref_counts[b] == 0 and b not in cache.hash_of for b in allocator.free)
+        assert all(allocator.ref_counts[b] == 0 and b in cache.hash_of for b in cache.evictable)
+        assert set(allocator.free).isdisjoint(cache.evictable)
+        for block, hash_value in cache.hash_of.items():  # a cached block's contents match its hash
+            assert cache.block_of[hash_value] == block
             assert tuple(self.pool[block]) == self.prefix_of_hash[hash_value][-BLOCK_SIZE:]
         for key, table in manager.block_tables.items():  # every sequence reads its own tokens
             tokens = self.tokens[key]
@@ -143,13 +144,13 @@ def test_prefix_reuse_lru_eviction_and_copy_on_write() -> None:
     assert manager.allocate("c", prompt[:8]) == 4
     for key in ("a", "b", "c"):
         manager.free(key)
-    assert manager.num_free_blocks == 6 and len(manager.allocator.evictable) == 2
+    assert manager.num_free_blocks == 6 and len(manager.allocator.prefix_cache.evictable) == 2
     # Cached blocks survive until the pool needs them, least recently used first.
     assert manager.allocate("d", prompt) == 8
     manager.free("d")
     for i in range(6):
         manager.allocate(f"x{i}", [100 + i])
-    assert not manager.allocator.hash_of
+    assert not manager.allocator.prefix_cache.hash_of
     # Fork then write: the shared partial block is copied, full blocks stay shared.
     for i in range(6):
         manager.free(f"x{i}")

@@ -47,9 +47,9 @@ def test_chat_stop_strings_and_per_prompt_params(llm: LLM) -> None:
     question = [{"role": "user", "content": "What is the capital of France?"}]
     answer = llm.chat(question, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0].outputs[0]
     assert answer.text == "The capital of France is Paris." and answer.finish_reason == "stop"
-    cut = llm.chat([question, question], [SamplingParams(temperature=0, stop=["Paris"]),
-                                          SamplingParams(temperature=0, stop=" is Par", include_stop_str_in_output=True)],
-                   use_tqdm=False)
+    params = [SamplingParams(temperature=0, stop=["Paris"]),
+              SamplingParams(temperature=0, stop=" is Par", include_stop_str_in_output=True)]
+    cut = llm.chat([question, question], params, use_tqdm=False)
     assert cut[0].outputs[0].text == "The capital of France is " and cut[0].outputs[0].stop_reason == "Paris"
     assert cut[1].outputs[0].text == "The capital of France is Par"
 

@@ -6,12 +6,13 @@
     print(outputs[0].outputs[0].text)
 """
 
+from .block_manager import BlockAllocator, BlockManager
 from .config import EngineConfig, ModelConfig, RopeConfig
 from .detokenizer import IncrementalDetokenizer
 from .device import resolve_device, resolve_dtype
-from .engine import LLMEngine
+from .engine import EngineStats, LLMEngine
 from .generate import generate
-from .kv_cache import ContiguousKVCache
+from .kv_cache import ContiguousKVCache, PagedKVCache
 from .llm import LLM
 from .model import BUNDLED_MODEL_NAME, CausalLM, ModelLoadError, load_model, prepare_bundled_model
 from .model_runner import ModelRunner
@@ -24,16 +25,20 @@ from .tokenizer import encode_chat, load_tokenizer
 
 __all__ = [
     "BUNDLED_MODEL_NAME",
-    "LLM",
+    "BlockAllocator",
+    "BlockManager",
     "CausalLM",
     "CompletionOutput",
     "ContiguousKVCache",
     "EngineConfig",
+    "EngineStats",
     "IncrementalDetokenizer",
+    "LLM",
     "LLMEngine",
     "ModelConfig",
     "ModelLoadError",
     "ModelRunner",
+    "PagedKVCache",
     "RequestMetrics",
     "RequestOutput",
     "RopeConfig",

@@ -7,30 +7,28 @@ table[t // block_size]. Blocks are reference counted so that sequences can share
 whose tokens, and the tokens before them, are the same. A shared block is copied before a sequence
 writes into it (copy-on-write).
 
-With prefix caching, a full block is named by a hash chained from its parent block's hash and its
-own tokens, so equal hashes mean equal prefixes. A block whose last reference goes keeps its hash
-and contents, and can be revived by a later request, until it is evicted, least recently used first.
+With prefix caching (`prefix_cache.py`), a full block is named by a hash chained from its parent
+block's hash and its own tokens, so equal hashes mean equal prefixes. A block whose last reference
+goes keeps its hash and contents, and can be revived by a later request, until it is evicted,
+least recently used first.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence as TokenList
 from typing import Hashable
 
-NO_PARENT = 0
+from .prefix_cache import NO_PARENT, PrefixCache, block_hash, chained_hashes
 
-
-def block_hash(parent_hash: int, token_ids: TokenList[int]) -> int:
-    """The name of a full block: its parent's hash and its own tokens (ints hash the same in every process)."""
-    return hash((parent_hash, tuple(token_ids)))
+__all__ = ["NO_PARENT", "BlockAllocator", "BlockManager", "block_hash"]
 
 
 class BlockAllocator:
-    """A free list, a reference count per block, and the cache of freed blocks that keep a hash.
+    """A free list, a reference count per block, and the prefix cache of freed blocks that keep a hash.
 
-    Invariants: a block is in exactly one of `free` (ref 0, no hash), `evictable` (ref 0, hashed,
-    LRU order) or in use (ref > 0); `num_free_blocks` = len(free) + len(evictable).
+    Invariants: a block is in exactly one of `free` (ref 0, no hash), the prefix cache's evictable
+    list (ref 0, hashed, LRU order) or in use (ref > 0); `num_free_blocks` counts the first two.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -39,21 +37,18 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self.free: deque[int] = deque(range(num_blocks))
-        self.evictable: OrderedDict[int, None] = OrderedDict()
-        self.hash_of: dict[int, int] = {}  # block -> its hash, for full blocks that have one
-        self.block_of: dict[int, int] = {}  # hash -> block
+        self.prefix_cache = PrefixCache()
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free) + len(self.evictable)
+        return len(self.free) + self.prefix_cache.num_evictable
 
     def allocate(self) -> int:
         """A block with reference count 1: a never-used one if any, else the least recently freed cached one."""
         if self.free:
             block = self.free.popleft()
-        elif self.evictable:
-            block, _ = self.evictable.popitem(last=False)
-            del self.block_of[self.hash_of.pop(block)]
+        elif self.prefix_cache.num_evictable:
+            block = self.prefix_cache.evict()
         else:
             raise RuntimeError("out of KV blocks: check num_free_blocks before allocating")
         self.ref_counts[block] = 1
@@ -61,7 +56,7 @@ class BlockAllocator:
 
     def incref(self, block: int) -> None:
         if self.ref_counts[block] == 0:
-            self.evictable.pop(block)  # a cached block comes back into use
+            self.prefix_cache.revive(block)  # a cached block comes back into use
         self.ref_counts[block] += 1
 
     def decref(self, block: int) -> None:
@@ -69,20 +64,10 @@ class BlockAllocator:
             raise RuntimeError(f"block {block} freed more often than it was taken")
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
-            if block in self.hash_of:
-                self.evictable[block] = None  # most recently used end
+            if self.prefix_cache.is_cached(block):
+                self.prefix_cache.park(block)
             else:
                 self.free.append(block)
-
-    def lookup(self, hash_value: int) -> int | None:
-        return self.block_of.get(hash_value)
-
-    def set_hash(self, block: int, hash_value: int) -> None:
-        """Name a full, computed block so later requests can reuse it (first writer wins)."""
-        if block in self.hash_of or hash_value in self.block_of:
-            return
-        self.hash_of[block] = hash_value
-        self.block_of[hash_value] = block
 
 
 class BlockManager:
@@ -101,21 +86,36 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return self.allocator.num_free_blocks
 
+    @property
+    def num_total_blocks(self) -> int:
+        return self.allocator.num_blocks
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def has_blocks(self, seq_key: Hashable) -> bool:
+        return seq_key in self.block_tables
+
+    def num_hashed_blocks(self, seq_key: Hashable) -> int:
+        """How many of the sequence's leading blocks are full, computed and named."""
+        return len(self._hashes[seq_key])
 
     def _prefix_hits(self, token_ids: TokenList[int]) -> list[int]:
         """Cached blocks for the leading full blocks; never the whole prompt (its last token must run)."""
         if not self.enable_prefix_caching:
             return []
         hits, parent = [], NO_PARENT
-        for start in range(0, len(token_ids) - 1 - self.block_size + 1, self.block_size):
+        for start in range(0, len(token_ids) - self.block_size, self.block_size):
             parent = block_hash(parent, token_ids[start : start + self.block_size])
-            block = self.allocator.lookup(parent)
+            block = self.allocator.prefix_cache.lookup(parent)
             if block is None:
                 break
             hits.append(block)
         return hits
+
+    def num_cached_tokens(self, token_ids: TokenList[int]) -> int:
+        """How many leading tokens `allocate` would find in the prefix cache now."""
+        return len(self._prefix_hits(token_ids)) * self.block_size
 
     def can_allocate(self, token_ids: TokenList[int]) -> bool:
         """Whether blocks for all of `token_ids` can be had now (cached prefix blocks reused)."""
@@ -134,11 +134,7 @@ class BlockManager:
             self.allocator.incref(block)
         table = hits + [self.allocator.allocate() for _ in range(self.blocks_needed(len(token_ids)) - len(hits))]
         self.block_tables[seq_key] = table
-        parent, hashes = NO_PARENT, []
-        for i in range(len(hits)):
-            parent = block_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
-            hashes.append(parent)
-        self._hashes[seq_key] = hashes
+        self._hashes[seq_key] = chained_hashes(token_ids, self.block_size, len(hits))
         return len(hits) * self.block_size
 
     def mark_computed(self, seq_key: Hashable, token_ids: TokenList[int], num_computed: int) -> None:
@@ -150,7 +146,7 @@ class BlockManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else NO_PARENT
             hashes.append(block_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size]))
-            self.allocator.set_hash(table[i], hashes[-1])
+            self.allocator.prefix_cache.insert(table[i], hashes[-1])
 
     def can_append(self, seq_key: Hashable, num_tokens: int) -> bool:
         """Whether the table can grow to hold `num_tokens` and copy a shared last block if it must."""

@@ -141,7 +141,13 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine schedules: caps per step, context length, and the sampler's default seed."""
+    """How the engine schedules and how much KV memory it has.
+
+    The KV pool is `num_kv_blocks` blocks of `block_size` tokens. Its size comes from, in order:
+    `num_kv_blocks` if given; else `kv_cache_memory` bytes; else, on CUDA, what is free after the
+    weights and a profiled forward pass, times `gpu_memory_utilization`; else (CPU) enough for
+    `max_num_seqs` full-length sequences, capped at `DEFAULT_CPU_KV_CACHE_MEMORY`.
+    """
 
     max_num_seqs: int = 32  # sequences running at once (decode batch size)
     max_num_batched_tokens: int = 2048  # tokens in one forward pass, prefill chunks and decodes together
@@ -149,9 +155,14 @@ class EngineConfig:
     enable_chunked_prefill: bool = True  # split a long prompt across steps to fit the token budget
     seed: int = 0  # generator for requests without their own seed
     record_steps: bool = False  # keep a StepRecord per step (lessons plot timelines from them)
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # the pool size in blocks, if set
+    kv_cache_memory: int | None = None  # the pool size in bytes, if set (and num_kv_blocks is not)
+    gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may use, weights included
+    enable_prefix_caching: bool = True  # reuse computed blocks of equal prefixes across requests
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -162,3 +173,12 @@ class EngineConfig:
             )
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2 or None, got {self.max_model_len!r}")
+        for name in ("num_kv_blocks", "kv_cache_memory"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: the CPU pool when neither num_kv_blocks nor kv_cache_memory is set

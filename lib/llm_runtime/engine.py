@@ -6,7 +6,11 @@
             print(output.request_id, output.outputs[0].text_delta)
 
 Bad input is refused in `add_request` with a ValueError, before anything enters the engine, so the
-requests already running are never disturbed by it.
+requests already running are never disturbed by it. That includes a prompt that could never fit
+in the KV pool, which would otherwise wait forever.
+
+The engine owns the KV pool (`PagedKVCache`) and its bookkeeping (`BlockManager`); `stats()`
+reports both, with the scheduler's preemption and prefix-cache counters.
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ import time
 from collections import abc
 from dataclasses import dataclass, replace
 
-from .config import EngineConfig
+from .block_manager import BlockManager
+from .config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .generate import max_new_tokens, validate_prompt
+from .kv_cache import PagedKVCache, kv_block_bytes, num_blocks_in
 from .model import CausalLM
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, profile_kv_cache_memory
 from .outputs import RequestOutput, completion_output, request_metrics
 from .sampling import Sampler, SamplingParams
 from .scheduler import ScheduledBatch, Scheduler, StepRecord
@@ -39,20 +45,77 @@ class _Request:
     num_tokens_sent: list[int]
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's memory and queues (lessons, tests and benchmarks read it)."""
+
+    num_total_blocks: int
+    num_free_blocks: int  # never used or cached-but-unreferenced (evictable)
+    num_cached_blocks: int  # blocks named in the prefix cache, held or not
+    block_size: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_total_blocks - self.num_free_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        queried = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / queried if queried else 0.0
+
+
 class LLMEngine:
-    """Holds the scheduler, the model runner and every live request."""
+    """Holds the KV pool, the scheduler, the model runner and every live request."""
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer | None, config: EngineConfig | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         limit = model.config.max_position_embeddings
-        self.max_model_len = min(self.config.max_model_len or limit, limit)
-        self.scheduler = Scheduler(self.config)
-        self.model_runner = ModelRunner(model, Sampler(seed=self.config.seed, device=model.device))
+        if self.config.max_model_len is not None and self.config.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.config.max_model_len} is beyond the model's {limit} positions")
+        num_blocks = self._num_kv_blocks(self.config.max_model_len or limit)
+        block_size = self.config.block_size
+        if self.config.max_model_len is not None and self.config.max_model_len > num_blocks * block_size:
+            raise ValueError(
+                f"max_model_len {self.config.max_model_len} needs more KV memory than the pool's {num_blocks} "
+                f"blocks of {block_size} tokens; lower max_model_len or give the engine more KV memory "
+                f"(num_kv_blocks, kv_cache_memory or gpu_memory_utilization)"
+            )
+        self.context_limit = self.config.max_model_len or limit
+        # Unless asked for, a context longer than the whole pool is not offered.
+        self.max_model_len = min(self.context_limit, num_blocks * block_size)
+        self.kv_cache = PagedKVCache.for_model(model.config, num_blocks, block_size, dtype=model.dtype,
+                                               device=model.device)
+        self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.model_runner = ModelRunner(model, Sampler(seed=self.config.seed, device=model.device), self.kv_cache)
         self.requests: dict[str, _Request] = {}
         self.step_records: list[StepRecord] = []
         self._num_steps = 0
+
+    def _num_kv_blocks(self, max_model_len: int) -> int:
+        """The pool size: num_kv_blocks, else kv_cache_memory, else profiled (CUDA) or a default (CPU)."""
+        config, model = self.config, self.model
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        if config.kv_cache_memory is not None:
+            nbytes = config.kv_cache_memory
+        elif model.device.type == "cuda":
+            nbytes = profile_kv_cache_memory(model, config)
+        else:  # CPU: room for max_num_seqs full-length sequences, within a fixed cap
+            full = config.max_num_seqs * max_model_len * kv_block_bytes(model.config, 1, model.dtype)
+            nbytes = min(DEFAULT_CPU_KV_CACHE_MEMORY, full)
+        num_blocks = num_blocks_in(nbytes, model.config, config.block_size, model.dtype)
+        if num_blocks < 1:
+            raise ValueError(f"{nbytes} bytes of KV memory hold no block of {config.block_size} tokens "
+                             f"({kv_block_bytes(model.config, config.block_size, model.dtype)} bytes each)")
+        return num_blocks
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -70,8 +133,19 @@ class LLMEngine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n = {params.n} completions cannot run at once under max_num_seqs = "
+                             f"{self.config.max_num_seqs}")
         text, token_ids = self._tokenize(prompt)
-        token_ids = validate_prompt(token_ids, self.model.config.vocab_size, self.max_model_len)
+        token_ids = validate_prompt(token_ids, self.model.config.vocab_size, self.context_limit)
+        blocks = self.block_manager
+        needed = blocks.blocks_needed(len(token_ids) + 1)  # the prompt and at least one new token
+        if needed > blocks.num_total_blocks:
+            raise ValueError(
+                f"prompt of {len(token_ids)} tokens needs {needed} KV blocks of {blocks.block_size} tokens, "
+                f"but the whole pool has {blocks.num_total_blocks}: it could never run (give the engine more "
+                f"KV memory: num_kv_blocks, kv_cache_memory or gpu_memory_utilization)"
+            )
         budget = max_new_tokens(params, len(token_ids), self.max_model_len)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
@@ -89,8 +163,7 @@ class LLMEngine:
                 arrival_time=arrival, generator=seq_params.make_generator(self.model.device),
             ))
         self.requests[request_id] = _Request(request_id, text, token_ids, sequences, [0] * params.n)
-        for seq in sequences:
-            self.scheduler.add(seq)
+        self.scheduler.add(sequences[0], sequences[1:])
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -116,6 +189,20 @@ class LLMEngine:
             raise ValueError(f"unknown request id {request_id!r} (never added, or already finished)")
         self.scheduler.abort(request_id)
         del self.requests[request_id]
+
+    def stats(self) -> EngineStats:
+        blocks, scheduler = self.block_manager, self.scheduler
+        return EngineStats(
+            num_total_blocks=blocks.num_total_blocks,
+            num_free_blocks=blocks.num_free_blocks,
+            num_cached_blocks=len(blocks.allocator.prefix_cache),
+            block_size=blocks.block_size,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting) + sum(len(forks) for forks in scheduler.forks.values()),
+            num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queried_tokens=scheduler.num_prefix_queried_tokens,
+            prefix_cache_hit_tokens=scheduler.num_prefix_hit_tokens,
+        )
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

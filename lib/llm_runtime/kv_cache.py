@@ -1,8 +1,11 @@
 """The KV cache: keys and values of every past token, kept so each decode step computes one token.
 
 `ContiguousKVCache` is the simplest layout: one preallocated tensor per layer, filled left to right.
+`PagedKVCache` is the engine's: one pool of fixed-size blocks that every sequence draws from.
 The model talks to any cache through two calls (the `KVCache` protocol): `attend` and `advance`;
-later lessons put batched and paged caches behind the same two calls.
+batched and paged caches sit behind the same two calls (`model_runner.py`).
+
+How much memory a cache takes is arithmetic on the config: `kv_block_bytes` and `num_blocks_in`.
 """
 
 from __future__ import annotations
@@ -152,3 +155,13 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block across all layers, K and V: block_size x 2 x layers x kv heads x head dim x size."""
+    return block_size * config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+
+
+def num_blocks_in(nbytes: int, config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """How many whole blocks fit in `nbytes` of memory."""
+    return nbytes // kv_block_bytes(config, block_size, dtype)

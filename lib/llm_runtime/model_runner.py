@@ -3,7 +3,12 @@
 A ragged (varlen) batch has no padding. The tokens of every scheduled sequence are concatenated
 into one row, `(1, N)` with N = total new tokens, each with its own position. The linear layers
 (most of the compute) run once over all N tokens; attention splits them back per sequence, since
-each sequence attends only to its own past, kept in its own KV cache.
+each sequence attends only to its own past. `RaggedKVBatch` keeps that past in one contiguous
+cache per sequence (lesson 05); the engine's `PagedKVBatch` keeps it in the blocks of one shared
+pool, found through each sequence's block table (lesson 07).
+
+The runner owns the pool. On CUDA, `profile_kv_cache_memory` sizes it from what a forward pass
+of the largest batch leaves free.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .attention import paged_attention
+from .config import EngineConfig
 from .kv_cache import ContiguousKVCache, PagedKVCache
 from .model import CausalLM
 from .sampling import Sampler
@@ -67,26 +73,26 @@ class PagedKVBatch:
 
 
 class ModelRunner:
-    """Turns a ScheduledBatch into model inputs, runs the forward pass and samples."""
+    """Turns a ScheduledBatch into model inputs, runs the forward pass over the paged pool and samples."""
 
-    def __init__(self, model: CausalLM, sampler: Sampler) -> None:
+    def __init__(self, model: CausalLM, sampler: Sampler, kv_cache: PagedKVCache) -> None:
         self.model = model
         self.sampler = sampler
+        self.kv_cache = kv_cache
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[int | None], list[dict[int, float] | None]]:
         """Returns, per scheduled sequence, its sampled token (None for a prefill chunk) and logprobs."""
         device = self.model.device
+        self.kv_cache.copy_blocks(batch.block_copies)  # copy-on-write, before anyone writes this step
         token_ids: list[int] = []
         positions: list[int] = []
         for item in batch.items:
-            seq = item.seq
-            if seq.kv_cache is None:  # first step of this sequence: reserve its cache, full length
-                seq.kv_cache = self.model.new_kv_cache(1, seq.num_prompt_tokens + seq.max_new_tokens)
-            token_ids += seq.token_ids(item.start, item.start + item.num_new_tokens)
+            token_ids += item.seq.token_ids(item.start, item.start + item.num_new_tokens)
             positions += range(item.start, item.start + item.num_new_tokens)
         counts = [item.num_new_tokens for item in batch.items]
-        kv = RaggedKVBatch([item.seq.kv_cache for item in batch.items], counts)  # type: ignore[misc]
+        kv = PagedKVBatch(self.kv_cache, [item.block_table for item in batch.items],
+                          [item.start for item in batch.items], counts)
         input_ids = torch.tensor([token_ids], device=device)  # (1, N)
         hidden = self.model(input_ids, kv, torch.tensor([positions], device=device))  # (1, N, hidden)
 
@@ -117,3 +123,34 @@ class ModelRunner:
                     entry.update(zip(top_ids[row][:k], top_logprobs[row][:k]))
                 logprobs[i] = entry
         return results, logprobs
+
+
+@torch.inference_mode()
+def profile_kv_cache_memory(model: CausalLM, config: EngineConfig) -> int:
+    """CUDA: bytes left for the KV pool = total x gpu_memory_utilization - (weights + peak activations
+    of a `max_num_batched_tokens` forward pass + memory held outside PyTorch)."""
+    device = model.device
+    if device.type != "cuda":
+        raise ValueError(f"profiling measures CUDA memory; the model is on {device} (set num_kv_blocks "
+                         f"or kv_cache_memory instead)")
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    num_tokens = min(config.max_num_batched_tokens, model.config.max_position_embeddings)
+    input_ids = torch.zeros((1, num_tokens), dtype=torch.long, device=device)  # (1, T) dummy prompt
+    hidden = model(input_ids)
+    model.compute_logits(hidden[0, -config.max_num_seqs :])  # (max_num_seqs, vocab): the sampler's input
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    free, total = torch.cuda.mem_get_info(device)
+    outside_torch = total - free - torch.cuda.memory_reserved(device)
+    del hidden
+    torch.cuda.empty_cache()
+    available = int(total * config.gpu_memory_utilization) - peak - outside_torch
+    if available <= 0:
+        raise RuntimeError(
+            f"no GPU memory left for the KV cache: weights and activations peak at {peak / 2**30:.2f} GiB "
+            f"of {total / 2**30:.2f} GiB x gpu_memory_utilization {config.gpu_memory_utilization}; raise "
+            f"gpu_memory_utilization or lower max_num_batched_tokens"
+        )
+    return available

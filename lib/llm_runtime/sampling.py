@@ -88,9 +88,8 @@ class SamplingParams:
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         object.__setattr__(self, "stop", list(stop or []))
         ids = self.stop_token_ids
-        if ids is not None and not (
-            isinstance(ids, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
-        ):
+        if ids is not None and not (isinstance(ids, (list, tuple)) and all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
             raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {ids!r}")
         object.__setattr__(self, "stop_token_ids", list(ids or []))
 
