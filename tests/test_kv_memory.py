@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from conftest import transformers_greedy
 from llm_runtime import LLM, EngineConfig, LLMEngine, SamplingParams, generate
@@ -239,3 +240,21 @@ def test_bundled_model_under_pressure_equals_transformers(bundled, bundled_refer
     stats = llm.llm_engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_budget_is_profiled_within_the_utilization(bundled, bundled_reference) -> None:
+    model, tokenizer = bundled
+    model = model.to("cuda")
+    try:
+        llm = LLM.from_model(model, tokenizer, gpu_memory_utilization=0.5)
+        _, total = torch.cuda.mem_get_info()
+        assert 0 < llm.llm_engine.kv_cache.nbytes <= 0.5 * total
+        assert torch.cuda.memory_allocated() <= 0.5 * total
+        prompt = tokenizer.encode("The capital of France is")
+        output = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8,
+                                                                             ignore_eos=True), use_tqdm=False)
+        assert output[0].outputs[0].token_ids == transformers_greedy(bundled_reference, prompt, 8)
+    finally:
+        model.to("cpu")

@@ -1,7 +1,8 @@
 """A request's state: its tokens, its status, why it finished, and when each thing happened.
 
 A sequence moves WAITING -> RUNNING -> FINISHED_* (stopped, length or aborted); the scheduler may
-move it back to WAITING (preemption, in later lessons). The stop rules live here, applied to each
+move it back to WAITING when it runs out of KV memory (preemption: its tokens are kept, its cache is
+recomputed when it runs again). The stop rules live here, applied to each
 new token in `append_token`: EOS unless `ignore_eos`, `stop_token_ids`, `stop` strings matched
 across token boundaries (and cut from the text, as vLLM does), `max_tokens`; none of the first
 three before `min_tokens` tokens exist.
@@ -59,7 +60,8 @@ class Sequence:
     """One generated completion: prompt, output so far, status, KV cache and timestamps.
 
     Invariant: `num_computed_tokens` tokens (a prefix of prompt + output) have their keys and
-    values in `kv_cache`; the model runner computes the rest, in one or several steps.
+    values in a cache: the engine's paged pool (found through the sequence's block table), or
+    `kv_cache` when a lesson drives the sequence by hand. The model runner computes the rest.
     """
 
     def __init__(
