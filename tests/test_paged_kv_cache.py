@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llm_runtime import SamplingParams, generate
-from llm_runtime.attention import causal_attention, paged_attention
+from llm_runtime.attention import causal_attention, paged_attention, paged_decode_attention
 from llm_runtime.block_manager import BlockManager
 from llm_runtime.kv_cache import PagedKVCache
 from llm_runtime.model_runner import PagedKVBatch
@@ -63,3 +63,27 @@ def test_greedy_through_the_paged_pool_equals_generate(tiny_pairs, family: str) 
     for k, prompt in enumerate(prompts):
         expected = generate(model, prompt, SamplingParams(temperature=0, max_tokens=num_steps, ignore_eos=True))
         assert tokens[k][len(prompt):] == expected
+
+
+def test_batched_decode_attention_equals_each_sequence_alone() -> None:
+    """Three sequences of different lengths, scattered blocks, one padded call."""
+    torch.manual_seed(1)
+    block_size, lengths = 4, [9, 3, 14]
+    cache = PagedKVCache(1, 16, block_size, 2, 8, dtype=torch.float64, device="cpu")
+    order = torch.randperm(16).tolist()
+    tables, expected, queries = [], [], []
+    for length in lengths:
+        table = [order.pop() for _ in range(-(-length // block_size))]
+        keys = torch.randn(1, 2, length, 8, dtype=torch.float64)  # (1, KV, S, d)
+        values = torch.randn_like(keys)
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(length)])
+        cache.write(0, slots, keys[0].transpose(0, 1), values[0].transpose(0, 1))
+        q = torch.randn(1, 6, 1, 8, dtype=torch.float64)
+        expected.append(causal_attention(q, keys, values, length - 1))
+        tables.append(table)
+        queries.append(q)
+    width = max(map(len, tables))
+    padded = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables])
+    mask = (torch.arange(width * block_size) < torch.tensor(lengths)[:, None])[:, None, None, :]
+    batched = paged_decode_attention(torch.cat(queries), cache.keys[0], cache.values[0], padded, mask)
+    assert torch.allclose(batched, torch.cat(expected), atol=1e-12)

@@ -1,4 +1,4 @@
-"""Attention over a contiguous key/value history, in plain PyTorch.
+"""Attention over a contiguous or a paged key/value history, in plain PyTorch.
 
 Query heads outnumber key/value heads under grouped-query attention; scaled_dot_product_attention
 with `enable_gqa` lets each group of query heads read its shared K/V head without copying it.
@@ -64,3 +64,23 @@ def paged_attention(
     values = value_pool[blocks].flatten(0, 1)[:num_keys]
     keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # (1, KV, S, d)
     return causal_attention(q, keys, values, num_cached)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    key_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Decode attention for B sequences at once, one new query each, through their block tables.
+
+    q (B, num_heads, 1, head_dim); pools (num_blocks, block_size, num_kv_heads, head_dim);
+    `block_tables` (B, max_blocks), padded with any valid block; `key_mask` (B, 1, 1, max_blocks *
+    block_size), True where a slot holds one of the sequence's tokens (its past and the new one).
+    One gather of whole blocks and one attention call for the whole batch, instead of one per sequence.
+    """
+    batch, num_blocks = block_tables.shape
+    keys = key_pool[block_tables].flatten(1, 2).transpose(1, 2)  # (B, KV, max_blocks * block_size, d)
+    values = value_pool[block_tables].flatten(1, 2).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=key_mask, enable_gqa=True)  # (B, H, 1, d)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import paged_attention
+from .attention import paged_attention, paged_decode_attention
 from .config import EngineConfig
 from .kv_cache import ContiguousKVCache, PagedKVCache
 from .model import CausalLM
@@ -44,7 +44,12 @@ class RaggedKVBatch:
 
 class PagedKVBatch:
     """A KVCache over a shared paged pool: new keys go through the slot mapping, each segment
-    attends over its own sequence's blocks (the block tables come from the BlockManager)."""
+    attends over its own sequence's blocks (the block tables come from the BlockManager).
+
+    Decoding segments (one new token) attend together in one batched call over a padded table;
+    prefill chunks attend one by one. Everything that does not change from layer to layer (slots,
+    padded tables, masks) is built once per step, here.
+    """
 
     def __init__(
         self, cache: PagedKVCache, block_tables: list[list[int]], starts: list[int], num_new_tokens: list[int]
@@ -53,20 +58,41 @@ class PagedKVBatch:
         self.starts = starts
         self.num_new_tokens = num_new_tokens
         device = cache.keys[0].device
-        self.block_tables = [torch.tensor(table, device=device) for table in block_tables]
         size = cache.block_size
         slots = [table[p // size] * size + p % size
                  for table, start, count in zip(block_tables, starts, num_new_tokens)
                  for p in range(start, start + count)]
         self.slot_mapping = torch.tensor(slots, device=device)  # (N,) flat slot of every new token
+        offsets = [0]
+        for count in num_new_tokens:
+            offsets.append(offsets[-1] + count)
+        self.decodes = [i for i, count in enumerate(num_new_tokens) if count == 1]
+        self.prefills = [(offsets[i], offsets[i + 1], torch.tensor(block_tables[i], device=device), starts[i])
+                         for i, count in enumerate(num_new_tokens) if count != 1]
+        if self.decodes:
+            width = max(len(block_tables[i]) for i in self.decodes)
+            padded = [block_tables[i] + [block_tables[i][0]] * (width - len(block_tables[i])) for i in self.decodes]
+            self.decode_tables = torch.tensor(padded, device=device)  # (B, width)
+            lengths = torch.tensor([starts[i] + 1 for i in self.decodes], device=device)
+            self.decode_mask = (torch.arange(width * size, device=device) < lengths[:, None])[:, None, None, :]
+            self.decode_rows = torch.tensor([offsets[i] for i in self.decodes], device=device)  # (B,) in the flat batch
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, N, d), k, v (1, KV, N, d) -> (1, H, N, d)."""
         self.cache.write(layer_idx, self.slot_mapping, k[0].transpose(0, 1), v[0].transpose(0, 1))  # (N, KV, d)
         key_pool, value_pool = self.cache.keys[layer_idx], self.cache.values[layer_idx]
-        segments = zip(q.split(self.num_new_tokens, dim=2), self.block_tables, self.starts)
-        return torch.cat([paged_attention(qs, key_pool, value_pool, table, start) for qs, table, start in segments],
-                         dim=2)
+        if not self.prefills:  # a pure decode step: one call
+            q_decode = q[0].transpose(0, 1)[:, :, None]  # (B, H, 1, d)
+            out = paged_decode_attention(q_decode, key_pool, value_pool, self.decode_tables, self.decode_mask)
+            return out[:, :, 0].transpose(0, 1)[None]  # (1, H, N, d)
+        out = torch.empty_like(q)
+        for begin, end, table, start in self.prefills:
+            out[:, :, begin:end] = paged_attention(q[:, :, begin:end], key_pool, value_pool, table, start)
+        if self.decodes:
+            q_decode = q[0, :, self.decode_rows].transpose(0, 1)[:, :, None]  # (B, H, 1, d)
+            decoded = paged_decode_attention(q_decode, key_pool, value_pool, self.decode_tables, self.decode_mask)
+            out[0, :, self.decode_rows] = decoded[:, :, 0].transpose(0, 1)  # (H, B, d)
+        return out
 
     def advance(self, num_new_tokens: int) -> None:
         """Nothing to do: the block manager, not the pool, knows how many tokens each sequence has."""
