@@ -1,7 +1,8 @@
-"""Command line: `python -m llm_runtime prepare | generate`.
+"""Command line: `python -m llm_runtime prepare | generate | bench`.
 
     python -m llm_runtime prepare                      # convert the bundled model into the cache (once)
     python -m llm_runtime generate "What is 2 + 2?"    # one chat answer, greedy
+    python -m llm_runtime bench                        # the engine against transformers (see bench --help)
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
+    from .bench_cli import add_arguments
+
+    add_arguments(commands.add_parser("bench", help="benchmark the engine against transformers"))
     args = parser.parse_args(argv)
 
     if args.command == "prepare":
@@ -32,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"bundled model ready in {prepare_bundled_model(args.cache_dir)}")
         return 0
+
+    if args.command == "bench":
+        from .bench_cli import run
+
+        return run(args)
 
     from . import SamplingParams, encode_chat, generate, load_model
 

@@ -56,7 +56,8 @@ class Workload:
 
 
 def _random_tokens(rng: random.Random, length: int, vocab_size: int) -> list[int]:
-    return [rng.randrange(100, min(vocab_size, 10_000)) for _ in range(length)]  # plain tokens, no specials
+    low = min(100, vocab_size // 4)  # skip the first ids, where tokenizers keep their special tokens
+    return [rng.randrange(low, min(vocab_size, 10_000)) for _ in range(length)]
 
 
 def fixed_workload(num_requests: int, input_len: int, output_len: int, *, vocab_size: int, seed: int = 0) -> Workload:
@@ -157,7 +158,10 @@ class EngineRunner:
             outputs.append(output.outputs[0].token_ids)  # type: ignore[attr-defined]
             timings.append(RequestTiming(start + request.arrival_time, tuple(output.metrics.token_times),  # type: ignore[attr-defined]
                                          len(request.prompt_token_ids)))
-        return RunResult(self.name, outputs, timings, duration, {"stats": vars(engine.stats())})
+        profile = engine.profile
+        return RunResult(self.name, outputs, timings, duration,
+                         {"stats": vars(engine.stats()), "step_profile": {**vars(profile), **{
+                             f"{phase}_fraction": value for phase, value in profile.fractions().items()}}})
 
 
 def _wait_for_arrivals(workload: Workload, queue: list[int], start: float) -> list[int]:

@@ -25,7 +25,7 @@ from .detokenizer import IncrementalDetokenizer
 from .generate import max_new_tokens, validate_prompt
 from .kv_cache import PagedKVCache, kv_block_bytes, num_blocks_in
 from .model import CausalLM
-from .model_runner import ModelRunner, profile_kv_cache_memory
+from .model_runner import ModelRunner, StepProfile, profile_kv_cache_memory
 from .outputs import RequestOutput, completion_output, request_metrics
 from .sampling import Sampler, SamplingParams
 from .scheduler import ScheduledBatch, Scheduler, StepRecord
@@ -94,7 +94,9 @@ class LLMEngine:
                                                device=model.device)
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
-        self.model_runner = ModelRunner(model, Sampler(seed=self.config.seed, device=model.device), self.kv_cache)
+        self.profile = StepProfile()  # where step time goes (lesson 09, bench)
+        self.model_runner = ModelRunner(model, Sampler(seed=self.config.seed, device=model.device), self.kv_cache,
+                                        self.profile)
         self.requests: dict[str, _Request] = {}
         self.step_records: list[StepRecord] = []
         self._num_steps = 0
@@ -217,6 +219,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.items:
             return []
+        scheduled = time.perf_counter()
+        self.profile.schedule += scheduled - start
         sampled, logprobs = self.model_runner.run(batch)
         now = time.perf_counter()
         self.scheduler.postprocess(batch, sampled, now, logprobs)
@@ -228,6 +232,8 @@ class LLMEngine:
             request = self.requests.get(request_id)
             if request is not None:
                 outputs.append(self._make_output(request))
+        self.profile.postprocess += time.perf_counter() - now
+        self.profile.num_steps += 1
         return outputs
 
     def _make_output(self, request: _Request) -> RequestOutput:

@@ -13,6 +13,9 @@ of the largest batch leaves free.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, fields
+
 import torch
 
 from .attention import paged_attention, paged_decode_attention
@@ -46,8 +49,8 @@ class PagedKVBatch:
     """A KVCache over a shared paged pool: new keys go through the slot mapping, each segment
     attends over its own sequence's blocks (the block tables come from the BlockManager).
 
-    Decoding segments (one new token) attend together in one batched call over a padded table;
-    prefill chunks attend one by one. Everything that does not change from layer to layer (slots,
+    Decoding segments (one new token) attend in a few batched calls, grouped by length, over padded
+    tables; prefill chunks attend one by one. Everything that does not change from layer to layer (slots,
     padded tables, masks) is built once per step, here.
     """
 
@@ -69,47 +72,72 @@ class PagedKVBatch:
         self.decodes = [i for i, count in enumerate(num_new_tokens) if count == 1]
         self.prefills = [(offsets[i], offsets[i + 1], torch.tensor(block_tables[i], device=device), starts[i])
                          for i, count in enumerate(num_new_tokens) if count != 1]
-        if self.decodes:
-            width = max(len(block_tables[i]) for i in self.decodes)
-            padded = [block_tables[i] + [block_tables[i][0]] * (width - len(block_tables[i])) for i in self.decodes]
-            self.decode_tables = torch.tensor(padded, device=device)  # (B, width)
-            lengths = torch.tensor([starts[i] + 1 for i in self.decodes], device=device)
-            self.decode_mask = (torch.arange(width * size, device=device) < lengths[:, None])[:, None, None, :]
-            self.decode_rows = torch.tensor([offsets[i] for i in self.decodes], device=device)  # (B,) in the flat batch
+        # Decoding sequences attend in groups of similar length, each padded to its longest
+        # table: one group would pad every sequence to the longest of the whole step.
+        self.decode_groups = []
+        decodes = sorted(self.decodes, key=lambda i: len(block_tables[i]))
+        while decodes:
+            shortest = len(block_tables[decodes[0]])
+            group = [i for i in decodes if len(block_tables[i]) <= 1.25 * shortest + 1]
+            decodes = decodes[len(group):]
+            width = len(block_tables[group[-1]])
+            padded = [block_tables[i] + [block_tables[i][0]] * (width - len(block_tables[i])) for i in group]
+            lengths = torch.tensor([starts[i] + 1 for i in group], device=device)
+            mask = (torch.arange(width * size, device=device) < lengths[:, None])[:, None, None, :]  # (G, 1, 1, S)
+            rows = torch.tensor([offsets[i] for i in group], device=device)  # (G,) places in the flat batch
+            self.decode_groups.append((rows, torch.tensor(padded, device=device), mask))
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, N, d), k, v (1, KV, N, d) -> (1, H, N, d)."""
         self.cache.write(layer_idx, self.slot_mapping, k[0].transpose(0, 1), v[0].transpose(0, 1))  # (N, KV, d)
         key_pool, value_pool = self.cache.keys[layer_idx], self.cache.values[layer_idx]
-        if not self.prefills:  # a pure decode step: one call
-            q_decode = q[0].transpose(0, 1)[:, :, None]  # (B, H, 1, d)
-            out = paged_decode_attention(q_decode, key_pool, value_pool, self.decode_tables, self.decode_mask)
-            return out[:, :, 0].transpose(0, 1)[None]  # (1, H, N, d)
         out = torch.empty_like(q)
         for begin, end, table, start in self.prefills:
             out[:, :, begin:end] = paged_attention(q[:, :, begin:end], key_pool, value_pool, table, start)
-        if self.decodes:
-            q_decode = q[0, :, self.decode_rows].transpose(0, 1)[:, :, None]  # (B, H, 1, d)
-            decoded = paged_decode_attention(q_decode, key_pool, value_pool, self.decode_tables, self.decode_mask)
-            out[0, :, self.decode_rows] = decoded[:, :, 0].transpose(0, 1)  # (H, B, d)
+        for rows, tables, mask in self.decode_groups:
+            q_decode = q[0, :, rows].transpose(0, 1)[:, :, None]  # (G, H, 1, d)
+            decoded = paged_decode_attention(q_decode, key_pool, value_pool, tables, mask)
+            out[0, :, rows] = decoded[:, :, 0].transpose(0, 1)  # (H, G, d)
         return out
 
     def advance(self, num_new_tokens: int) -> None:
         """Nothing to do: the block manager, not the pool, knows how many tokens each sequence has."""
 
 
+@dataclass
+class StepProfile:
+    """Seconds spent in each phase of the engine's steps, summed over steps (the runner fills the
+    middle three, the engine the first and the last). On CUDA, kernels run asynchronously: their
+    time lands in `sample`, where the one device-to-host copy of the step waits for them."""
+
+    num_steps: int = 0
+    schedule: float = 0.0  # Scheduler.schedule: admission, blocks, preemption
+    prepare: float = 0.0  # model inputs: token ids, positions, slot mapping, block tables
+    forward: float = 0.0  # the model and the logits
+    sample: float = 0.0  # the sampler and the copy of sampled tokens to the host
+    postprocess: float = 0.0  # appending tokens, stop rules, freeing blocks, outputs
+
+    def fractions(self) -> dict[str, float]:
+        phases = [f.name for f in fields(self) if f.name != "num_steps"]
+        total = sum(getattr(self, name) for name in phases) or 1.0
+        return {name: getattr(self, name) / total for name in phases}
+
+
 class ModelRunner:
     """Turns a ScheduledBatch into model inputs, runs the forward pass over the paged pool and samples."""
 
-    def __init__(self, model: CausalLM, sampler: Sampler, kv_cache: PagedKVCache) -> None:
+    def __init__(self, model: CausalLM, sampler: Sampler, kv_cache: PagedKVCache,
+                 profile: StepProfile | None = None) -> None:
         self.model = model
         self.sampler = sampler
         self.kv_cache = kv_cache
+        self.profile = profile if profile is not None else StepProfile()
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[int | None], list[dict[int, float] | None]]:
         """Returns, per scheduled sequence, its sampled token (None for a prefill chunk) and logprobs."""
         device = self.model.device
+        started = time.perf_counter()
         self.kv_cache.copy_blocks(batch.block_copies)  # copy-on-write, before anyone writes this step
         token_ids: list[int] = []
         positions: list[int] = []
@@ -120,20 +148,27 @@ class ModelRunner:
         kv = PagedKVBatch(self.kv_cache, [item.block_table for item in batch.items],
                           [item.start for item in batch.items], counts)
         input_ids = torch.tensor([token_ids], device=device)  # (1, N)
-        hidden = self.model(input_ids, kv, torch.tensor([positions], device=device))  # (1, N, hidden)
+        position_ids = torch.tensor([positions], device=device)
+        prepared = time.perf_counter()
+        self.profile.prepare += prepared - started
+        hidden = self.model(input_ids, kv, position_ids)  # (1, N, hidden)
 
         # Only a sequence whose chunk reaches its last known token samples; take that position.
         sampling = [i for i, item in enumerate(batch.items) if item.samples]
         results: list[int | None] = [None] * len(batch.items)
         logprobs: list[dict[int, float] | None] = [None] * len(batch.items)
         if not sampling:
+            self.profile.forward += time.perf_counter() - prepared
             return results, logprobs
         ends = torch.tensor(counts).cumsum(0) - 1  # index of each segment's last token
         last = ends[sampling].to(device)
         logits = self.model.compute_logits(hidden[0, last])  # (R, vocab)
+        computed = time.perf_counter()
+        self.profile.forward += computed - prepared
         seqs = [batch.items[i].seq for i in sampling]
         out = sample_sequences(self.sampler, logits, seqs)
         sampled = out.token_ids.tolist()  # one host-device sync per step
+        self.profile.sample += time.perf_counter() - computed
         for row, i in enumerate(sampling):
             results[i] = sampled[row]
         if out.logprobs is not None:  # some row asked for logprobs: one more copy to the host
