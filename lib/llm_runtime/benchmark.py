@@ -14,6 +14,7 @@ tokens differ (a faster runner that computes something else proves nothing), the
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -252,6 +253,8 @@ class HFContinuousRunner:
     def run(self, workload: Workload, progress: bool = False) -> RunResult:
         from transformers import GenerationConfig
 
+        # Its notice that EOS is disabled is what we ask for: ignore EOS, as every runner does.
+        logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
         generation = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
         pending = sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].arrival_time)
         results: dict[int, object] = {}
