@@ -1,8 +1,9 @@
-"""Command line: `python -m llm_runtime prepare | generate | bench`.
+"""Command line: `python -m llm_runtime prepare | generate | bench | serve`.
 
     python -m llm_runtime prepare                      # convert the bundled model into the cache (once)
     python -m llm_runtime generate "What is 2 + 2?"    # one chat answer, greedy
     python -m llm_runtime bench                        # the engine against transformers (see bench --help)
+    python -m llm_runtime serve --port 8000            # an OpenAI-compatible HTTP server
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     from .bench_cli import add_arguments
 
     add_arguments(commands.add_parser("bench", help="benchmark the engine against transformers"))
+    srv = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    srv.add_argument("--model", default=None, help="local folder or hub id (default: bundled SmolLM2)")
+    srv.add_argument("--served-model-name", default=None, help="the name clients use (default: from --model)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--device", default="auto")
+    srv.add_argument("--dtype", default="auto")
+    srv.add_argument("--max-num-seqs", type=int, default=32)
+    srv.add_argument("--max-waiting-requests", type=int, default=256)
     args = parser.parse_args(argv)
 
     if args.command == "prepare":
@@ -41,6 +51,23 @@ def main(argv: list[str] | None = None) -> int:
         from .bench_cli import run
 
         return run(args)
+
+    if args.command == "serve":
+        from . import LLMEngine, load_model
+        from .config import EngineConfig
+        from .model import BUNDLED_MODEL_NAME
+        from .server import serve
+
+        try:
+            model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+            engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=args.max_num_seqs))
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        name = args.served_model_name or (str(args.model).rstrip("/").split("/")[-1] if args.model
+                                          else BUNDLED_MODEL_NAME)
+        serve(engine, name, args.host, args.port, args.max_waiting_requests)
+        return 0
 
     from . import SamplingParams, encode_chat, generate, load_model
 

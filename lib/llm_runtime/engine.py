@@ -37,7 +37,9 @@ Prompt = str | list[int] | dict
 
 
 @dataclass
-class _Request:
+class EngineRequest:
+    """A validated request: its tokens and the n sequences that will complete it."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -97,7 +99,7 @@ class LLMEngine:
         self.profile = StepProfile()  # where step time goes (lesson 09, bench)
         self.model_runner = ModelRunner(model, Sampler(seed=self.config.seed, device=model.device), self.kv_cache,
                                         self.profile)
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, EngineRequest] = {}
         self.step_records: list[StepRecord] = []
         self._num_steps = 0
 
@@ -128,6 +130,17 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Validate and enqueue a request; raises ValueError (and changes nothing) on bad input."""
+        self.add_prepared(self.prepare_request(request_id, prompt, params, arrival_time))
+
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> EngineRequest:
+        """Validate and tokenize a request without touching the engine's state (the async engine
+        validates this way while a step runs, and adds the request between steps)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -164,8 +177,14 @@ class LLMEngine:
                 eos_token_ids=self.model.config.eos_token_ids, detokenizer=detokenizer, index=index,
                 arrival_time=arrival, generator=seq_params.make_generator(self.model.device),
             ))
-        self.requests[request_id] = _Request(request_id, text, token_ids, sequences, [0] * params.n)
-        self.scheduler.add(sequences[0], sequences[1:])
+        return EngineRequest(request_id, text, token_ids, sequences, [0] * params.n)
+
+    def add_prepared(self, request: EngineRequest) -> None:
+        """Enqueue a request made by `prepare_request`."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.scheduler.add(request.sequences[0], request.sequences[1:])
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -236,7 +255,7 @@ class LLMEngine:
         self.profile.num_steps += 1
         return outputs
 
-    def _make_output(self, request: _Request) -> RequestOutput:
+    def _make_output(self, request: EngineRequest) -> RequestOutput:
         completions = []
         for i, seq in enumerate(request.sequences):
             completions.append(completion_output(seq, request.num_tokens_sent[i]))
