@@ -19,15 +19,16 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from tqdm.auto import tqdm
 
 from .config import ModelConfig
 from .llm import LLM
-from .model import CausalLM
 from .metrics import BenchmarkMetrics, LatencyTargets, RequestTiming, summarize
+from .model import CausalLM
+from .outputs import RequestOutput
 from .roofline import MachinePeaks, request_flops
 from .sampling import SamplingParams
 
@@ -134,7 +135,7 @@ class EngineRunner:
     def run(self, workload: Workload, progress: bool = False) -> RunResult:
         engine = LLM.from_model(self.model, None, **self.engine_options).llm_engine
         pending = sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].arrival_time)
-        finished: dict[int, object] = {}
+        finished: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(pending), desc=self.name, unit="req", disable=not progress, leave=False)
         start = time.perf_counter()
         while pending or engine.has_unfinished_requests():
@@ -153,16 +154,22 @@ class EngineRunner:
                     bar.update(1)
         duration = time.perf_counter() - start
         bar.close()
-        outputs, timings = [], []
-        for i, request in enumerate(workload.requests):
-            output = finished[i]
-            outputs.append(output.outputs[0].token_ids)  # type: ignore[attr-defined]
-            timings.append(RequestTiming(start + request.arrival_time, tuple(output.metrics.token_times),  # type: ignore[attr-defined]
-                                         len(request.prompt_token_ids)))
         profile = engine.profile
-        return RunResult(self.name, outputs, timings, duration,
-                         {"stats": vars(engine.stats()), "step_profile": {**vars(profile), **{
-                             f"{phase}_fraction": value for phase, value in profile.fractions().items()}}})
+        info = {"stats": vars(engine.stats()), "step_profile": {
+            **vars(profile), **{f"{phase}_fraction": value for phase, value in profile.fractions().items()}}}
+        return _collect(self.name, workload, start, duration, {
+            i: (o.outputs[0].token_ids, o.metrics.token_times) for i, o in finished.items()}, info)
+
+
+def _collect(runner: str, workload: Workload, start: float, duration: float,
+             finished: dict[int, tuple[Sequence[int], Sequence[float]]], info: dict | None = None) -> RunResult:
+    """A run's result from each request's (output tokens, token times), in workload order."""
+    outputs, timings = [], []
+    for i, request in enumerate(workload.requests):
+        tokens, times = finished[i]
+        outputs.append(list(tokens))
+        timings.append(RequestTiming(start + request.arrival_time, tuple(times), len(request.prompt_token_ids)))
+    return RunResult(runner, outputs, timings, duration, info or {})
 
 
 def _wait_for_arrivals(workload: Workload, queue: list[int], start: float) -> list[int]:
@@ -208,8 +215,7 @@ class HFStaticRunner:
     def run(self, workload: Workload, progress: bool = False) -> RunResult:
         device = next(self.model.parameters()).device
         queue = sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].arrival_time)
-        outputs: dict[int, list[int]] = {}
-        timings: dict[int, RequestTiming] = {}
+        finished: dict[int, tuple[list[int], list[float]]] = {}
         bar = tqdm(total=len(queue), desc=self.name, unit="req", disable=not progress, leave=False)
         start = time.perf_counter()
         while queue:
@@ -225,15 +231,12 @@ class HFStaticRunner:
                 max_new_tokens=max(r.max_tokens for r in requests), do_sample=False, eos_token_id=[],
                 pad_token_id=self.pad_token_id, streamer=clock)
             for row, (i, request) in enumerate(zip(batch, requests)):
-                outputs[i] = generated[row, width : width + request.max_tokens].tolist()
-                timings[i] = RequestTiming(start + request.arrival_time, tuple(clock.times[: request.max_tokens]),
-                                           len(request.prompt_token_ids))
+                finished[i] = (generated[row, width : width + request.max_tokens].tolist(),
+                               clock.times[: request.max_tokens])
             bar.update(len(batch))
         duration = time.perf_counter() - start
         bar.close()
-        order = range(len(workload.requests))
-        return RunResult(self.name, [outputs[i] for i in order], [timings[i] for i in order], duration,
-                         {"batch_size": self.batch_size})
+        return _collect(self.name, workload, start, duration, finished, {"batch_size": self.batch_size})
 
 
 class HFContinuousRunner:
@@ -257,7 +260,7 @@ class HFContinuousRunner:
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
         generation = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
         pending = sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].arrival_time)
-        results: dict[int, object] = {}
+        results: dict[int, Any] = {}  # transformers' GenerationOutput
         bar = tqdm(total=len(pending), desc=self.name, unit="req", disable=not progress, leave=False)
         with self.model.continuous_batching_context_manager(
                 generation_config=generation, continuous_batching_config=self.config, block=True, timeout=5,
@@ -278,13 +281,8 @@ class HFContinuousRunner:
                     bar.update(1)
             duration = time.perf_counter() - start
         bar.close()
-        outputs, timings = [], []
-        for i, request in enumerate(workload.requests):
-            result = results[i]
-            outputs.append(list(result.generated_tokens))  # type: ignore[attr-defined]
-            timings.append(RequestTiming(start + request.arrival_time, tuple(result.timestamps),  # type: ignore[attr-defined]
-                                         len(request.prompt_token_ids)))
-        return RunResult(self.name, outputs, timings, duration)
+        return _collect(self.name, workload, start, duration, {
+            i: (r.generated_tokens, r.timestamps) for i, r in results.items()})
 
 
 # ------------------------------------------------------------------------------------------- report

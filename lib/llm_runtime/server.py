@@ -283,8 +283,8 @@ def _params(body: _SamplingFields, max_tokens: int | None, logprobs: int | None)
     try:
         return body.sampling_params(max_tokens, logprobs)
     except ValueError as error:
-        param = next((name for name in type(body).model_fields if name in str(error).split()[0:3]), None)
-        raise APIError(400, str(error), param=param) from error
+        first_word = str(error).split(" ", 1)[0]  # SamplingParams' messages start with the field's name
+        raise APIError(400, str(error), param=first_word if first_word in type(body).model_fields else None) from error
 
 
 def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
