@@ -80,7 +80,6 @@ def paged_decode_attention(
     block_size), True where a slot holds one of the sequence's tokens (its past and the new one).
     One gather of whole blocks and one attention call for the whole batch, instead of one per sequence.
     """
-    batch, num_blocks = block_tables.shape
     keys = key_pool[block_tables].flatten(1, 2).transpose(1, 2)  # (B, KV, max_blocks * block_size, d)
     values = value_pool[block_tables].flatten(1, 2).transpose(1, 2)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=key_mask, enable_gqa=True)  # (B, H, 1, d)

@@ -58,8 +58,6 @@ class PagedKVBatch:
         self, cache: PagedKVCache, block_tables: list[list[int]], starts: list[int], num_new_tokens: list[int]
     ) -> None:
         self.cache = cache
-        self.starts = starts
-        self.num_new_tokens = num_new_tokens
         device = cache.keys[0].device
         size = cache.block_size
         slots = [table[p // size] * size + p % size
@@ -69,13 +67,13 @@ class PagedKVBatch:
         offsets = [0]
         for count in num_new_tokens:
             offsets.append(offsets[-1] + count)
-        self.decodes = [i for i, count in enumerate(num_new_tokens) if count == 1]
         self.prefills = [(offsets[i], offsets[i + 1], torch.tensor(block_tables[i], device=device), starts[i])
                          for i, count in enumerate(num_new_tokens) if count != 1]
         # Decoding sequences attend in groups of similar length, each padded to its longest
         # table: one group would pad every sequence to the longest of the whole step.
         self.decode_groups = []
-        decodes = sorted(self.decodes, key=lambda i: len(block_tables[i]))
+        decodes = [i for i, count in enumerate(num_new_tokens) if count == 1]
+        decodes.sort(key=lambda i: len(block_tables[i]))
         while decodes:
             shortest = len(block_tables[decodes[0]])
             group = [i for i in decodes if len(block_tables[i]) <= 1.25 * shortest + 1]
