@@ -4,24 +4,23 @@
     llm = LLM()                                  # the bundled SmolLM2-135M-Instruct
     outputs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
     print(outputs[0].outputs[0].text)
+
+The folders follow a request through the engine: `model/` (the decoder, its loader and tokenizer),
+`attention/` (KV caches and attention over them), `sampling/`, `engine/` (scheduler, block manager,
+model runner, `LLMEngine`, `LLM`), `serving/` (async engine, OpenAI-compatible server), `bench/`
+(metrics, benchmark runners, roofline) and `lessons/` (helpers only the lessons use).
 """
 
-from .block_manager import BlockAllocator, BlockManager
+from .attention import ContiguousKVCache, PagedKVCache
 from .config import EngineConfig, ModelConfig, RopeConfig
-from .detokenizer import IncrementalDetokenizer
 from .device import resolve_device, resolve_dtype
-from .engine import EngineStats, LLMEngine
-from .generate import generate
-from .kv_cache import ContiguousKVCache, PagedKVCache
-from .llm import LLM
+from .engine import (LLM, BlockAllocator, BlockManager, CompletionOutput, EngineStats, IncrementalDetokenizer,
+                     LLMEngine, ModelRunner, RequestMetrics, RequestOutput, ScheduledBatch, Scheduler, Sequence,
+                     SequenceStatus, StepRecord, generate)
+from .lessons import StaticBatchRunner
 from .model import BUNDLED_MODEL_NAME, CausalLM, ModelLoadError, load_model, prepare_bundled_model
-from .model_runner import ModelRunner
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .model.tokenizer import encode_chat, load_tokenizer
 from .sampling import Sampler, SamplerOutput, SamplingParams
-from .scheduler import ScheduledBatch, Scheduler, StepRecord
-from .sequence import Sequence, SequenceStatus
-from .static_batching import StaticBatchRunner
-from .tokenizer import encode_chat, load_tokenizer
 
 __all__ = [
     "BUNDLED_MODEL_NAME",

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
-    from .bench_cli import add_arguments
+    from .bench.cli import add_arguments
 
     add_arguments(commands.add_parser("bench", help="benchmark the engine against transformers"))
     srv = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.command == "bench":
-        from .bench_cli import run
+        from .bench.cli import run
 
         return run(args)
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         from . import LLMEngine, load_model
         from .config import EngineConfig
         from .model import BUNDLED_MODEL_NAME
-        from .server import serve
+        from .serving.server import serve
 
         try:
             model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)

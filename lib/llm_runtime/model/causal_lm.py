@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..kv_cache import ContiguousKVCache, KVCache
+from ..attention.kv_cache import ContiguousKVCache, KVCache
 from .layers import DecoderLayer, RMSNorm
 from .rope import RotaryEmbedding
 

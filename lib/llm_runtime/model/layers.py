@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import causal_attention
+from ..attention.causal import causal_attention
 from ..config import ModelConfig
-from ..kv_cache import KVCache
+from ..attention.kv_cache import KVCache
 from .rope import apply_rotary
 
 

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from ..config import ModelConfig
 from ..device import resolve_device, resolve_dtype
-from ..tokenizer import Tokenizer, load_tokenizer
+from .tokenizer import Tokenizer, load_tokenizer
 from .bundled import prepare_bundled_model
 from .causal_lm import CausalLM
 from .rope import inverse_frequencies

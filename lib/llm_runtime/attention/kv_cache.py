@@ -1,0 +1,167 @@
+"""The KV cache: keys and values of every past token, kept so each decode step computes one token.
+
+`ContiguousKVCache` is the simplest layout: one preallocated tensor per layer, filled left to right.
+`PagedKVCache` is the engine's: one pool of fixed-size blocks that every sequence draws from.
+The model talks to any cache through two calls (the `KVCache` protocol): `attend` and `advance`;
+batched and paged caches sit behind the same two calls (`torch_gather.PagedKVBatch`).
+
+How much memory a cache takes is arithmetic on the config: `kv_block_bytes` and `num_blocks_in`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from .causal import causal_attention
+from ..config import ModelConfig
+
+
+class KVCache(Protocol):
+    """What the model's forward needs from a cache: attend over the past, then remember the new tokens."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store this step's k, v for `layer_idx` and return attention of q over all keys so far."""
+        ...
+
+    def advance(self, num_new_tokens: int) -> None:
+        """Called once per forward, after every layer has attended."""
+        ...
+
+
+class ContiguousKVCache:
+    """Per layer, K and V of shape (batch, num_kv_heads, max_seq_len, head_dim).
+
+    Invariant: positions [0, num_tokens) of every row hold real keys and values; the rest is unused.
+    A forward pass writes its T new tokens into every layer (`attend` calls `update`), then calls
+    `advance(T)` once.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        max_seq_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if min(num_layers, batch_size, max_seq_len, num_kv_heads, head_dim) < 1:
+            raise ValueError("every KV cache dimension must be >= 1")
+        shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_seq_len = max_seq_len
+        self.num_tokens = 0
+        # Padded batches (static batching) mark which slots hold real tokens: (batch, max_seq_len).
+        # None means every filled slot is real.
+        self.key_mask: torch.Tensor | None = None
+
+    @classmethod
+    def for_model(
+        cls,
+        config: ModelConfig,
+        batch_size: int,
+        max_seq_len: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> "ContiguousKVCache":
+        """A cache shaped for `config`, reserving `max_seq_len` positions per row."""
+        return cls(config.num_layers, batch_size, max_seq_len, config.num_kv_heads, config.head_dim,
+                   dtype=dtype, device=device)
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's k, v (B, num_kv_heads, T, head_dim); return all of them so far (B, kv, S, d)."""
+        start, end = self.num_tokens, self.num_tokens + k.shape[2]
+        if end > self.max_seq_len:
+            raise ValueError(f"KV cache full: {end} tokens do not fit in max_seq_len={self.max_seq_len}")
+        self.keys[layer_idx][:, :, start:end] = k
+        self.values[layer_idx][:, :, start:end] = v
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, H, T, d) for the T tokens after the cached ones; k, v (B, KV, T, d). -> (B, H, T, d)."""
+        num_cached = self.num_tokens
+        keys, values = self.update(layer_idx, k, v)  # (B, KV, num_cached + T, d)
+        key_mask = None if self.key_mask is None else self.key_mask[:, : keys.shape[2]]
+        return causal_attention(q, keys, values, num_cached, key_mask=key_mask)
+
+    def advance(self, num_new_tokens: int) -> None:
+        """Mark `num_new_tokens` more positions as filled (after every layer has written them)."""
+        self.num_tokens += num_new_tokens
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes reserved, used or not."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    @property
+    def nbytes_used(self) -> int:
+        """Bytes that hold real tokens."""
+        return self.nbytes * self.num_tokens // self.max_seq_len
+
+
+class PagedKVCache:
+    """The KV pool of a paged cache: per layer, K and V of shape (num_blocks, block_size, num_kv_heads, head_dim).
+
+    Which blocks belong to which sequence is the BlockManager's business; this class only stores.
+    Token t of a sequence lives at flat slot table[t // block_size] * block_size + t % block_size.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if min(num_layers, num_blocks, block_size, num_kv_heads, head_dim) < 1:
+            raise ValueError("every paged KV cache dimension must be >= 1")
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @classmethod
+    def for_model(
+        cls, config: ModelConfig, num_blocks: int, block_size: int, *, dtype: torch.dtype, device: torch.device | str
+    ) -> "PagedKVCache":
+        return cls(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim,
+                   dtype=dtype, device=device)
+
+    def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v (N, num_kv_heads, head_dim) at flat slots `slot_mapping` (N,)."""
+        self.keys[layer_idx].view(-1, *k.shape[1:])[slot_mapping] = k  # (num_blocks * block_size, KV, d)
+        self.values[layer_idx].view(-1, *v.shape[1:])[slot_mapping] = v
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate whole blocks (source, destination) in every layer."""
+        if not copies:
+            return
+        sources = torch.tensor([s for s, _ in copies], device=self.keys[0].device)
+        destinations = torch.tensor([d for _, d in copies], device=self.keys[0].device)
+        for pool in self.keys + self.values:
+            pool[destinations] = pool[sources]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block across all layers, K and V: block_size x 2 x layers x kv heads x head dim x size."""
+    return block_size * config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+
+
+def num_blocks_in(nbytes: int, config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """How many whole blocks fit in `nbytes` of memory."""
+    return nbytes // kv_block_bytes(config, block_size, dtype)

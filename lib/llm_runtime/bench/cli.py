@@ -1,0 +1,156 @@
+"""`python -m llm_runtime bench`: the engine against transformers on one workload, as a table, JSON and plots.
+
+    python -m llm_runtime bench                                   # bundled model, uniform lengths / 8
+    python -m llm_runtime bench --runners engine,hf-static --batch-sizes 16,64 --num-requests 64
+    python -m llm_runtime bench --rates 0.5,1,2 --num-requests 32  # online: Poisson arrivals, per rate
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RUNNERS = ("engine", "hf-static", "hf-continuous")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="local folder or hub id (default: bundled SmolLM2)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--workload", choices=("uniform", "fixed", "shared-prefix"), default="uniform")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--scale", type=int, default=8, help="uniform: lengths 100-1024 divided by this")
+    parser.add_argument("--input-len", type=int, default=128, help="fixed / shared-prefix: prompt tokens")
+    parser.add_argument("--output-len", type=int, default=128, help="fixed / shared-prefix: output tokens")
+    parser.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: shared tokens")
+    parser.add_argument("--rates", default=None, help="online mode: comma-separated Poisson rates (requests/s)")
+    parser.add_argument("--runners", default=",".join(RUNNERS), help=f"comma-separated, from {', '.join(RUNNERS)}")
+    parser.add_argument("--batch-sizes", default="16,64,128", help="hf-static: the batch sizes swept")
+    parser.add_argument("--max-num-seqs", type=int, default=128, help="engine and hf-continuous: batch cap")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--num-check", type=int, default=4, help="requests whose tokens must agree first")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-dir", default="bench-results")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def _workload(args: argparse.Namespace, vocab_size: int):
+    from .benchmark import fixed_workload, shared_prefix_workload, uniform_workload
+
+    if args.workload == "uniform":
+        return uniform_workload(args.num_requests, scale=args.scale, vocab_size=vocab_size, seed=args.seed)
+    if args.workload == "fixed":
+        return fixed_workload(args.num_requests, args.input_len, args.output_len, vocab_size=vocab_size,
+                              seed=args.seed)
+    return shared_prefix_workload(args.num_requests, args.prefix_len, args.input_len, args.output_len,
+                                  vocab_size=vocab_size, seed=args.seed)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .benchmark import EngineRunner, HFContinuousRunner, HFStaticRunner, run_benchmark, with_poisson_arrivals
+    from ..model import load_model
+    from ..model.loader import resolve_model_folder
+    from .roofline import measure_peaks
+
+    names = [n.strip() for n in args.runners.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(RUNNERS))
+    if unknown or not names:
+        print(f"error: unknown runner(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(RUNNERS)}",
+              file=sys.stderr)
+        return 2
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+        rates = [float(r) for r in args.rates.split(",")] if args.rates else [None]
+        model, _ = load_model(args.model, device=args.device, dtype=args.dtype)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    runners = []
+    if "engine" in names:
+        runners.append(EngineRunner(model, max_num_seqs=args.max_num_seqs,
+                                    max_num_batched_tokens=args.max_num_batched_tokens))
+    if {"hf-static", "hf-continuous"} & set(names):
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(resolve_model_folder(args.model), dtype=model.dtype,
+                                                  attn_implementation="sdpa").to(model.device).eval()
+        if "hf-static" in names:
+            runners += [HFStaticRunner(hf, size) for size in batch_sizes]
+        if "hf-continuous" in names:
+            runners.append(HFContinuousRunner(hf, max_requests_per_batch=args.max_num_seqs,
+                                              max_batch_tokens=args.max_num_batched_tokens))
+    print(f"measuring this machine's matmul and memory peaks on {model.device} ({model.dtype}) ...", flush=True)
+    peaks = measure_peaks(model.device, model.dtype)
+    print(f"  {peaks.matmul_flops / 1e9:.0f} GFLOP/s, {peaks.memory_bandwidth / 1e9:.1f} GB/s")
+    base = _workload(args, model.config.vocab_size)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    reports = []
+    for rate in rates:
+        workload = base if rate is None else with_poisson_arrivals(base, rate, seed=args.seed)
+        print(f"\n{workload.name}: {len(workload.requests)} requests", flush=True)
+        report = run_benchmark(workload, runners, model.config, peaks=peaks, num_check=args.num_check,
+                               progress=not args.no_progress)
+        print(report.table(), flush=True)
+        reports.append((rate, report))
+    summary = {"model": args.model or "bundled SmolLM2-135M-Instruct", "device": str(model.device),
+               "dtype": str(model.dtype), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+               "runs": [{"rate": rate, **report.to_dict()} for rate, report in reports]}
+    (out / "bench.json").write_text(json.dumps(summary, indent=2, default=str))
+    _plot(reports, out)
+    print(f"\nwrote {out / 'bench.json'} and plots in {out}/")
+    return 0
+
+
+def _plot(reports: list, out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib is not installed: no plots)")
+        return
+    rate, report = reports[0]
+    names = list(report.runs)
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.barh(names, [report.runs[n].output_throughput for n in names], color="tab:blue")
+    ax.set(xlabel="output tokens/s", title=report.workload)
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=100)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3))
+    for name in names:
+        timings = report.timings[name]
+        for ax, values in zip(axes, ([t.ttft for t in timings], [t.tpot for t in timings if t.tpot is not None])):
+            values = sorted(values)
+            ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=name)
+    axes[0].set(xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT CDF")
+    axes[1].set(xlabel="TPOT (s)", title="TPOT CDF")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "latency_cdf.png", dpi=100)
+    if len(reports) > 1:
+        fig, ax = plt.subplots(figsize=(6, 3))
+        for name in names:
+            ax.plot([r for r, _ in reports], [rep.runs[name].ttft.median for _, rep in reports], "o-", label=name)
+        ax.set(xlabel="arrival rate (requests/s)", ylabel="median TTFT (s)", title="TTFT against load")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "ttft_vs_rate.png", dpi=100)
+    plt.close("all")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llm_runtime bench", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    sys.exit(main())

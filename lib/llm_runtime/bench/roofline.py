@@ -1,0 +1,91 @@
+"""The hardware limit: what a workload costs in FLOPs and bytes, and what this machine can do per second.
+
+A step of a transformer multiplies every processed token by every weight matrix (2 FLOPs per
+weight per token), attends over the token's past (4 x layers x heads x head_dim FLOPs per key:
+q.k and the weighted sum of v), and turns each sampled position into logits (2 x hidden x vocab).
+It also reads every weight once per step and every cached key and value it attends to. The time a
+run cannot beat is max(FLOPs / peak FLOP/s, bytes / bandwidth); both peaks are measured here, on
+this machine, in the same process as the benchmark.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+
+
+def linear_parameters(config: ModelConfig) -> int:
+    """Weights every processed token is multiplied by (attention projections and MLP of all layers)."""
+    attention = config.hidden_size * (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    attention += config.num_heads * config.head_dim * config.hidden_size
+    return config.num_layers * (attention + 3 * config.hidden_size * config.intermediate_size)
+
+
+def request_flops(config: ModelConfig, prompt_len: int, output_len: int) -> float:
+    """FLOPs of one request: prompt + output - 1 processed tokens, output_len sampled positions."""
+    processed = prompt_len + output_len - 1  # the last sampled token is never fed back
+    linear = 2.0 * linear_parameters(config) * processed
+    # token at position t attends to t + 1 keys: sum over t < processed of (t + 1)
+    keys = processed * (processed + 1) / 2
+    attention = 4.0 * config.num_layers * config.num_heads * config.head_dim * keys
+    logits = 2.0 * config.hidden_size * config.vocab_size * output_len
+    return linear + attention + logits
+
+
+def weight_bytes(config: ModelConfig, dtype_size: int) -> int:
+    """Bytes read per forward pass: the linear weights and the output projection."""
+    return (linear_parameters(config) + config.hidden_size * config.vocab_size) * dtype_size
+
+
+@dataclass(frozen=True)
+class MachinePeaks:
+    """Measured matrix-multiply throughput (FLOP/s) and memory bandwidth (bytes/s) of one device."""
+
+    device: str
+    dtype: str
+    matmul_flops: float
+    memory_bandwidth: float
+
+    @property
+    def ridge_point(self) -> float:
+        """FLOPs per byte above which a kernel is compute-bound."""
+        return self.matmul_flops / self.memory_bandwidth
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_time(fn, repeats: int, device: torch.device) -> float:
+    fn()  # warm-up
+    _synchronize(device)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@torch.inference_mode()
+def measure_peaks(device: torch.device | str, dtype: torch.dtype, matmul_size: int | None = None,
+                  copy_bytes: int | None = None, repeats: int = 5) -> MachinePeaks:
+    """Best-of-`repeats` square matmul FLOP/s and tensor-copy bandwidth (read + write) on `device`."""
+    device = torch.device(device)
+    on_gpu = device.type == "cuda"
+    n = matmul_size or (8192 if on_gpu else 1536)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    matmul_time = _best_time(lambda: torch.mm(a, b), repeats, device)
+    nbytes = copy_bytes or (2**30 if on_gpu else 2**28)
+    source = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    destination = torch.empty_like(source)
+    copy_time = _best_time(lambda: destination.copy_(source), repeats, device)
+    return MachinePeaks(str(device), str(dtype).removeprefix("torch."), 2.0 * n**3 / matmul_time,
+                        2.0 * source.numel() * 4 / copy_time)

@@ -1,0 +1,135 @@
+"""`LLM`: the offline API, shaped like vLLM's.
+
+    from llm_runtime import LLM, SamplingParams
+    llm = LLM()                                   # the bundled SmolLM2-135M-Instruct
+    outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=16))
+    print(outputs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..config import EngineConfig
+from ..model import CausalLM, load_model
+from ..model.tokenizer import Tokenizer, encode_chat
+from ..sampling import SamplingParams
+from .engine import LLMEngine, Prompt
+from .outputs import RequestOutput
+
+Messages = list[dict[str, str]]
+
+
+class LLM:
+    """Load a model and generate for many prompts at once with continuous batching."""
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "auto",
+        **engine_options: object,
+    ) -> None:
+        """`model`: None (bundled), a folder or a hub id; `engine_options`: EngineConfig fields."""
+        loaded, tokenizer = load_model(model, device=device, dtype=dtype)
+        self._init(loaded, tokenizer, EngineConfig(**engine_options))  # type: ignore[arg-type]
+
+    @classmethod
+    def from_model(cls, model: CausalLM, tokenizer: Tokenizer | None, **engine_options: object) -> "LLM":
+        """An LLM around an already loaded model (lessons and tests share one model this way)."""
+        llm = cls.__new__(cls)
+        llm._init(model, tokenizer, EngineConfig(**engine_options))  # type: ignore[arg-type]
+        return llm
+
+    def _init(self, model: CausalLM, tokenizer: Tokenizer | None, config: EngineConfig) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.llm_engine = LLMEngine(model, tokenizer, config)
+        self._next_id = 0
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of `prompts`."""
+        request_ids = self._add_requests(prompts, sampling_params)
+        final: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm) as progress:
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    if output.finished:
+                        final[output.request_id] = output
+                        progress.update(1)
+        return [final[request_id] for request_id in request_ids]
+
+    def generate_stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """Yield (prompt index, output) after every step that moved a request; `text_delta` holds the new text."""
+        request_ids = self._add_requests(prompts, sampling_params)
+        index_of = {request_id: i for i, request_id in enumerate(request_ids)}
+        try:
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    yield index_of[output.request_id], output
+        finally:  # the consumer stopped early: don't leave its requests running
+            for request_id in request_ids:
+                if request_id in self.llm_engine.requests:
+                    self.llm_engine.abort_request(request_id)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, rendered with the chat template."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": encode_chat(self.tokenizer, list(c))} for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _add_requests(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[str]:
+        # One prompt (text, a dict, or a flat list of ids) or a list of prompts.
+        single = isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, Sequence) and len(prompts) > 0 and all(isinstance(t, int) for t in prompts)
+        )
+        prompt_list: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts")
+        # If one prompt is refused, withdraw the ones already added: nothing half-added keeps running.
+        request_ids = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                request_id = str(self._next_id)
+                self._next_id += 1
+                self.llm_engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except ValueError:
+            for request_id in request_ids:
+                self.llm_engine.abort_request(request_id)
+            raise
+        return request_ids

@@ -1,0 +1,139 @@
+"""The model runner: one step's ragged batch in, one sampled token per finishing sequence out.
+
+A ragged (varlen) batch has no padding. The tokens of every scheduled sequence are concatenated
+into one row, `(1, N)` with N = total new tokens, each with its own position. The linear layers
+(most of the compute) run once over all N tokens; attention splits them back per sequence, since
+each sequence attends only to its own past, which `attention.torch_gather.PagedKVBatch` finds in
+the blocks of one shared pool through each sequence's block table (lesson 07).
+
+The runner owns the pool. On CUDA, `profile_kv_cache_memory` sizes it from what a forward pass
+of the largest batch leaves free.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+
+import torch
+
+from ..attention.kv_cache import PagedKVCache
+from ..attention.torch_gather import PagedKVBatch
+from ..config import EngineConfig
+from ..model import CausalLM
+from ..sampling import Sampler
+from .scheduler import ScheduledBatch
+from .sequence import sample_sequences
+
+
+@dataclass
+class StepProfile:
+    """Seconds spent in each phase of the engine's steps, summed over steps (the runner fills the
+    middle three, the engine the first and the last). On CUDA, kernels run asynchronously: their
+    time lands in `sample`, where the one device-to-host copy of the step waits for them."""
+
+    num_steps: int = 0
+    schedule: float = 0.0  # Scheduler.schedule: admission, blocks, preemption
+    prepare: float = 0.0  # model inputs: token ids, positions, slot mapping, block tables
+    forward: float = 0.0  # the model and the logits
+    sample: float = 0.0  # the sampler and the copy of sampled tokens to the host
+    postprocess: float = 0.0  # appending tokens, stop rules, freeing blocks, outputs
+
+    def fractions(self) -> dict[str, float]:
+        phases = [f.name for f in fields(self) if f.name != "num_steps"]
+        total = sum(getattr(self, name) for name in phases) or 1.0
+        return {name: getattr(self, name) / total for name in phases}
+
+
+class ModelRunner:
+    """Turns a ScheduledBatch into model inputs, runs the forward pass over the paged pool and samples."""
+
+    def __init__(self, model: CausalLM, sampler: Sampler, kv_cache: PagedKVCache,
+                 profile: StepProfile | None = None) -> None:
+        self.model = model
+        self.sampler = sampler
+        self.kv_cache = kv_cache
+        self.profile = profile if profile is not None else StepProfile()
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[list[int | None], list[dict[int, float] | None]]:
+        """Returns, per scheduled sequence, its sampled token (None for a prefill chunk) and logprobs."""
+        device = self.model.device
+        started = time.perf_counter()
+        self.kv_cache.copy_blocks(batch.block_copies)  # copy-on-write, before anyone writes this step
+        token_ids: list[int] = []
+        positions: list[int] = []
+        for item in batch.items:
+            token_ids += item.seq.token_ids(item.start, item.start + item.num_new_tokens)
+            positions += range(item.start, item.start + item.num_new_tokens)
+        counts = [item.num_new_tokens for item in batch.items]
+        kv = PagedKVBatch(self.kv_cache, [item.block_table for item in batch.items],
+                          [item.start for item in batch.items], counts)
+        input_ids = torch.tensor([token_ids], device=device)  # (1, N)
+        position_ids = torch.tensor([positions], device=device)
+        prepared = time.perf_counter()
+        self.profile.prepare += prepared - started
+        hidden = self.model(input_ids, kv, position_ids)  # (1, N, hidden)
+
+        # Only a sequence whose chunk reaches its last known token samples; take that position.
+        sampling = [i for i, item in enumerate(batch.items) if item.samples]
+        results: list[int | None] = [None] * len(batch.items)
+        logprobs: list[dict[int, float] | None] = [None] * len(batch.items)
+        if not sampling:
+            self.profile.forward += time.perf_counter() - prepared
+            return results, logprobs
+        ends = torch.tensor(counts).cumsum(0) - 1  # index of each segment's last token
+        last = ends[sampling].to(device)
+        logits = self.model.compute_logits(hidden[0, last])  # (R, vocab)
+        computed = time.perf_counter()
+        self.profile.forward += computed - prepared
+        seqs = [batch.items[i].seq for i in sampling]
+        out = sample_sequences(self.sampler, logits, seqs)
+        sampled = out.token_ids.tolist()  # one host-device sync per step
+        self.profile.sample += time.perf_counter() - computed
+        for row, i in enumerate(sampling):
+            results[i] = sampled[row]
+        if out.logprobs is not None:  # some row asked for logprobs: one more copy to the host
+            sampled_logprobs = out.logprobs.tolist()
+            top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+            top_logprobs = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+            for row, (i, seq) in enumerate(zip(sampling, seqs)):
+                k = seq.params.logprobs
+                if k is None:
+                    continue
+                entry = {sampled[row]: sampled_logprobs[row]}
+                if top_ids is not None and top_logprobs is not None:
+                    entry.update(zip(top_ids[row][:k], top_logprobs[row][:k]))
+                logprobs[i] = entry
+        return results, logprobs
+
+
+@torch.inference_mode()
+def profile_kv_cache_memory(model: CausalLM, config: EngineConfig) -> int:
+    """CUDA: bytes left for the KV pool = total x gpu_memory_utilization - (weights + peak activations
+    of a `max_num_batched_tokens` forward pass + memory held outside PyTorch)."""
+    device = model.device
+    if device.type != "cuda":
+        raise ValueError(f"profiling measures CUDA memory; the model is on {device} (set num_kv_blocks "
+                         f"or kv_cache_memory instead)")
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    num_tokens = min(config.max_num_batched_tokens, model.config.max_position_embeddings)
+    input_ids = torch.zeros((1, num_tokens), dtype=torch.long, device=device)  # (1, T) dummy prompt
+    hidden = model(input_ids)
+    model.compute_logits(hidden[0, -config.max_num_seqs :])  # (max_num_seqs, vocab): the sampler's input
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    free, total = torch.cuda.mem_get_info(device)
+    outside_torch = total - free - torch.cuda.memory_reserved(device)
+    del hidden
+    torch.cuda.empty_cache()
+    available = int(total * config.gpu_memory_utilization) - peak - outside_torch
+    if available <= 0:
+        raise RuntimeError(
+            f"no GPU memory left for the KV cache: weights and activations peak at {peak / 2**30:.2f} GiB "
+            f"of {total / 2**30:.2f} GiB x gpu_memory_utilization {config.gpu_memory_utilization}; raise "
+            f"gpu_memory_utilization or lower max_num_batched_tokens"
+        )
+    return available

@@ -1,0 +1,238 @@
+"""The scheduler: which sequences run in the next step, how many tokens each, and where their KV goes.
+
+Iteration-level (continuous) scheduling, first come first served, with memory as the limit:
+1. every running sequence gets its next tokens: one for a decode, the rest of its prompt (or as
+   much as the token budget allows) for a prefill that was split. If the KV pool has no block
+   for them, the newest running sequence is *preempted*: its blocks are freed, it goes back to
+   the front of the queue, and it is recomputed (prompt and output so far) when it returns;
+2. waiting sequences are admitted in arrival order while there is room: fewer than `max_num_seqs`
+   running, tokens left in `max_num_batched_tokens`, and free blocks for the whole prompt
+   (admission control). Leading blocks already in the prefix cache are reused, not recomputed.
+   A prompt larger than the token budget left is split (chunked prefill) and continues next step.
+After the step, `postprocess` appends the sampled tokens, names the blocks that became full
+(prefix caching), and frees the blocks of finished sequences at once.
+
+Parallel sampling (n > 1): only the first sequence of a request computes the prompt, up to its
+last token; then the others fork it, sharing every block, and each computes the last prompt token
+itself. A shared block is copied when a sequence writes into it (copy-on-write).
+Data flows one way: schedule -> run -> postprocess.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..config import EngineConfig
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's share of a step: tokens [start, start + num_new_tokens) of prompt + output.
+
+    `block_table` lists the sequence's KV blocks in order (token t is in block_table[t // block_size]).
+    """
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+    block_table: list[int] = field(default_factory=list)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step produces a token for it (false for a prefill chunk short of the end)."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.start < self.seq.num_prompt_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    """The work of one step: a ragged batch of prefill chunks and decode tokens, and the block
+    copies (source, destination) to make before it runs (copy-on-write)."""
+
+    items: list[ScheduledSequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.items)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.items if item.is_prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_tokens - self.num_prefill_tokens
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+@dataclass
+class StepRecord:
+    """What one step did: which sequences ran, how many tokens each, and how long it took."""
+
+    index: int
+    start: float
+    duration: float
+    # (request_id, completion index, tokens this step, whether a prefill chunk)
+    items: list[tuple[str, int, int, bool]] = field(default_factory=list)
+
+
+class Scheduler:
+    """FCFS continuous batching under a sequence cap, a per-step token budget and a KV block pool.
+
+    Invariants: a sequence is in exactly one of `waiting` (not started, or preempted), `running`
+    (in flight, holding blocks) and `forks` (a sibling waiting for its parent's prompt) until it
+    finishes; only running sequences hold blocks; `running` never holds more than `max_num_seqs`;
+    a step never holds more than `max_num_batched_tokens` tokens.
+    """
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.forks: dict[Sequence, list[Sequence]] = {}  # parent -> siblings that will fork from it
+        self.num_preemptions = 0
+        self.num_prefix_queried_tokens = 0  # tokens looked up in the prefix cache at admission
+        self.num_prefix_hit_tokens = 0  # of those, tokens found there (not recomputed)
+
+    def add(self, seq: Sequence, siblings: list[Sequence] | None = None) -> None:
+        """Queue a sequence; `siblings` (the other n - 1 completions) fork from it after its prompt."""
+        if siblings and 1 + len(siblings) > self.config.max_num_seqs:
+            raise ValueError(f"n = {1 + len(siblings)} completions cannot run at once under "
+                             f"max_num_seqs = {self.config.max_num_seqs}")
+        self.waiting.append(seq)
+        if siblings:
+            self.forks[seq] = list(siblings)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _tokens_to_run(self, seq: Sequence) -> int:
+        """Tokens the sequence still has to compute before it can sample (or, with forks pending, fork)."""
+        return seq.num_uncomputed_tokens - (1 if seq in self.forks else 0)
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's sequences and token counts, and give them KV blocks (preempting if needed)."""
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        blocks = self.block_manager
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:  # running first: decodes are never starved by new prompts
+            seq = self.running[i]
+            num_new = min(self._tokens_to_run(seq), budget)
+            end = seq.num_computed_tokens + num_new
+            while not blocks.can_append(seq, end):
+                victim = self.running[-1]  # the newest running sequence gives its memory back
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.WAITING:  # it preempted itself: nothing newer was left
+                break
+            batch.block_copies += blocks.append_slots(seq, end)
+            batch.items.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new, list(blocks.block_tables[seq])))
+            budget -= num_new
+            i += 1
+        now = time.perf_counter()
+        while self.waiting and budget > 0 and not preempted:  # no admissions while memory is short
+            seq = self.waiting[0]
+            if len(self.running) + 1 + len(self.forks.get(seq, ())) > self.config.max_num_seqs:
+                break
+            tokens = seq.token_ids(0, seq.num_tokens)  # a preempted sequence recomputes its output too
+            if not blocks.can_allocate(tokens):
+                break  # admission control: wait until its blocks fit
+            to_run = self._tokens_to_run(seq) - blocks.num_cached_tokens(tokens)
+            num_new = min(to_run, budget)
+            if num_new < to_run and not self.config.enable_chunked_prefill:
+                break  # the whole prompt must fit in one step; wait for a step with room
+            self.waiting.popleft()
+            cached = blocks.allocate(seq, tokens)
+            self.num_prefix_queried_tokens += len(tokens)
+            self.num_prefix_hit_tokens += cached
+            seq.num_computed_tokens = cached
+            seq.status = SequenceStatus.RUNNING
+            if seq.times.first_scheduled is None:
+                seq.times.first_scheduled = now
+            self.running.append(seq)
+            if num_new == 0:  # everything before the last prompt token was cached: fork now, run next step
+                self._fork(seq)
+                continue
+            batch.items.append(ScheduledSequence(seq, cached, num_new, list(blocks.block_tables[seq])))
+            budget -= num_new
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preemption by recompute: free the newest running sequence's blocks and queue it first."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _fork(self, parent: Sequence) -> None:
+        """The parent's prompt is computed up to its last token: its siblings share its blocks from here."""
+        for child in self.forks.pop(parent):
+            self.block_manager.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = SequenceStatus.RUNNING
+            child.times.first_scheduled = parent.times.first_scheduled
+            self.running.append(child)
+
+    def postprocess(
+        self,
+        batch: ScheduledBatch,
+        sampled: list[int | None],
+        now: float,
+        logprobs: list[dict[int, float] | None] | None = None,
+    ) -> list[Sequence]:
+        """Record the step's results; return the sequences that finished in it (blocks freed, removed)."""
+        finished = []
+        for i, (item, token) in enumerate(zip(batch.items, sampled)):
+            seq = item.seq
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens += item.num_new_tokens
+            self._name_full_blocks(seq)
+            if token is not None:
+                seq.append_token(token, now, logprobs[i] if logprobs is not None else None)
+            if seq in self.forks and self._tokens_to_run(seq) == 0:
+                self._fork(seq)
+            if seq.is_finished:
+                finished.append(seq)
+                self.block_manager.free(seq)
+        if finished:
+            self.running = [seq for seq in self.running if not seq.is_finished]
+        return finished
+
+    def _name_full_blocks(self, seq: Sequence) -> None:
+        """Prefix caching: hash the blocks this step filled, so later requests can find them."""
+        blocks = self.block_manager
+        if blocks.enable_prefix_caching and \
+                (blocks.num_hashed_blocks(seq) + 1) * blocks.block_size <= seq.num_computed_tokens:
+            blocks.mark_computed(seq, seq.token_ids(0, seq.num_computed_tokens), seq.num_computed_tokens)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every sequence of `request_id` as aborted and free its blocks; return them."""
+        now = time.perf_counter()
+        aborted = [seq for seq in (*self.waiting, *self.running) if seq.request_id == request_id]
+        for parent in [p for p in self.forks if p.request_id == request_id]:
+            aborted += self.forks.pop(parent)
+        for seq in aborted:
+            seq.finish(SequenceStatus.FINISHED_ABORTED, now)
+            if self.block_manager.has_blocks(seq):
+                self.block_manager.free(seq)
+        self.waiting = deque(seq for seq in self.waiting if seq.request_id != request_id)
+        self.running = [seq for seq in self.running if seq.request_id != request_id]
+        return aborted

@@ -1,0 +1,15 @@
+"""Sampling: `SamplingParams` (what a request asks for) and the batched `Sampler` (how tokens are drawn)."""
+
+from .params import GREEDY_TEMPERATURE, SamplingParams
+from .sampler import Sampler, SamplerOutput, apply_min_p, apply_penalties, apply_top_k, apply_top_p
+
+__all__ = [
+    "GREEDY_TEMPERATURE",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingParams",
+    "apply_min_p",
+    "apply_penalties",
+    "apply_top_k",
+    "apply_top_p",
+]

@@ -1,0 +1,186 @@
+"""The batched `Sampler`: a batch of logits in, one token per row out.
+
+The sampler turns a batch of logits into one token per row. Each row has its own parameters and,
+when seeded, its own random generator, so a seeded request draws the same tokens whatever else is
+in the batch. Order of operations, as in vLLM: penalties, then greedy rows take the argmax; the
+others are divided by temperature, filtered by min-p, top-k and top-p, and sampled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per row; logprobs only when some row asked for them."""
+
+    token_ids: torch.Tensor  # (B,) int64
+    logprobs: torch.Tensor | None = None  # (B,) log-probability of each sampled token
+    top_token_ids: torch.Tensor | None = None  # (B, K) the K most likely tokens, K = max requested
+    top_logprobs: torch.Tensor | None = None  # (B, K)
+
+
+def _token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """(B, vocab) how often each token occurs in each row's list."""
+    longest = max((len(ids) for ids in token_ids), default=0)
+    # Pad with an extra id (vocab_size) that lands in a column we then drop.
+    padded = torch.full((len(token_ids), longest), vocab_size, dtype=torch.int64)
+    for row, ids in enumerate(token_ids):
+        padded[row, : len(ids)] = torch.as_tensor(list(ids), dtype=torch.int64)
+    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(1, padded.to(device), torch.ones_like(padded, device=device))
+    return counts[:, :vocab_size]  # (B, V)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+    prompt_token_ids: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """Repetition (prompt and output tokens), frequency and presence (output tokens) penalties."""
+    batch, vocab = logits.shape
+    device = logits.device
+    output_counts = _token_counts(output_token_ids, vocab, device)  # (B, V)
+    seen = (output_counts + _token_counts(prompt_token_ids, vocab, device)) > 0  # (B, V)
+    repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+    # Repetition penalty (CTRL paper): make seen tokens less likely whatever their logit's sign:
+    # positive logits are divided by the penalty, negative ones multiplied by it.
+    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - frequency * output_counts - presence * (output_counts > 0)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p (B, 1) times the row's top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, -math.inf)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's top_k (B, 1) largest logits (ties at the boundary kept); top_k = vocab keeps all."""
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    kth_largest = sorted_logits.gather(1, top_k - 1)  # (B, 1)
+    return logits.masked_fill(logits < kth_largest, -math.inf)
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (B, 1), boundary token included."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # ascending: mass of this token and all smaller
+    # A token goes when the tokens above it already hold top_p of the mass.
+    remove_sorted = cumulative <= 1 - top_p
+    remove_sorted[:, -1] = False  # the most likely token always stays
+    remove = torch.zeros_like(remove_sorted).scatter(1, order, remove_sorted)
+    return logits.masked_fill(remove, -math.inf)
+
+
+class Sampler:
+    """Picks one token per row of a (B, vocab) logits batch, each row with its own SamplingParams.
+
+    Invariant: a row whose request is seeded draws its randomness only from its own generator,
+    so its tokens do not depend on the other rows. Unseeded rows share this sampler's generator.
+    """
+
+    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu") -> None:
+        self.generator = torch.Generator(device=device)
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None] | None = None,
+        output_token_ids: Sequence[Sequence[int]] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        blocked_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> SamplerOutput:
+        """logits (B, vocab) -> SamplerOutput with token_ids (B,).
+
+        Per row: the generator for seeded requests, the tokens generated so far and the prompt
+        (for penalties), and tokens that must not be picked (EOS before `min_tokens`).
+        """
+        batch, vocab = logits.shape
+        if len(params) != batch:
+            raise ValueError(f"got {len(params)} SamplingParams for {batch} rows of logits")
+        generators = generators if generators is not None else [None] * batch
+        raw_logits = logits.float()
+        logits = raw_logits
+        if blocked_token_ids is not None and any(blocked_token_ids):
+            rows = [row for row, ids in enumerate(blocked_token_ids) for _ in ids]
+            columns = [token for ids in blocked_token_ids for token in ids]
+            index = (torch.tensor(rows, device=logits.device), torch.tensor(columns, device=logits.device))
+            logits = logits.index_put(index, torch.tensor(-math.inf, device=logits.device))
+        if any(p.has_penalties for p in params):
+            logits = apply_penalties(
+                logits, params, output_token_ids or [[]] * batch, prompt_token_ids or [[]] * batch
+            )
+
+        token_ids = logits.argmax(dim=-1)  # greedy rows keep this
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if random_rows:
+            token_ids = self._sample_rows(logits, params, generators, random_rows, token_ids)
+
+        output = SamplerOutput(token_ids=token_ids)
+        num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        if num_top is not None:
+            # As vLLM does by default, logprobs describe the model's raw distribution.
+            logprobs = raw_logits.log_softmax(dim=-1)
+            output.logprobs = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+            if num_top > 0:
+                output.top_logprobs, output.top_token_ids = logprobs.topk(min(num_top, vocab), dim=-1)
+        return output
+
+    def _sample_rows(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        rows: list[int],
+        token_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        device, vocab = logits.device, logits.shape[1]
+        row_index = torch.tensor(rows, device=device)
+        chosen = [params[i] for i in rows]
+        logits = logits[row_index]  # (R, V)
+        temperature = torch.tensor([p.temperature for p in chosen], device=device)[:, None]
+        logits = logits / temperature
+        if any(p.min_p > 0 for p in chosen):
+            logits = apply_min_p(logits, torch.tensor([p.min_p for p in chosen], device=device)[:, None])
+        if any(0 < p.top_k < vocab for p in chosen):
+            top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in chosen]
+            logits = apply_top_k(logits, torch.tensor(top_k, device=device)[:, None])
+        if any(p.top_p < 1 for p in chosen):
+            logits = apply_top_p(logits, torch.tensor([p.top_p for p in chosen], device=device)[:, None])
+        probs = logits.softmax(dim=-1)  # (R, V)
+
+        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) draws token i with probability p_i,
+        # and each row's noise can come from that row's own generator.
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, i in enumerate(rows) if generators[i] is None]
+        if len(unseeded) == len(rows):
+            noise.exponential_(generator=self.generator)
+        elif unseeded:
+            shared = torch.empty(len(unseeded), vocab, device=device).exponential_(generator=self.generator)
+            noise[torch.tensor(unseeded, device=device)] = shared
+        for j, i in enumerate(rows):
+            generator = generators[i]
+            if generator is not None:
+                noise[j].exponential_(generator=generator)
+        # A zero draw would turn a filtered-out token's 0 / 0 into NaN, which argmax would pick.
+        sampled = (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+        return token_ids.index_copy(0, row_index, sampled)
