@@ -94,6 +94,15 @@ def bundled():
 
 
 @pytest.fixture(scope="session")
+def bundled_tokenizer():
+    """The bundled model's tokenizer alone (no weights loaded)."""
+    from llm_runtime import load_tokenizer
+    from llm_runtime.model import resolve_model_folder
+
+    return load_tokenizer(resolve_model_folder(None))
+
+
+@pytest.fixture(scope="session")
 def bundled_reference(bundled):
     """transformers' own model loaded from the same converted folder, float32 on CPU."""
     import transformers

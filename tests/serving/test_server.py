@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from llm_runtime import LLM, EngineConfig, LLMEngine, SamplingParams, encode_chat
 from llm_runtime.serving.async_engine import AsyncLLMEngine, EngineBusyError
 from llm_runtime.serving.server import create_app
+from servers import running, wait_idle
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "The three primary colors are",
@@ -24,29 +21,13 @@ PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "Th
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(bundled):
     model, tokenizer = bundled
     engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=32, max_num_batched_tokens=512))
     app = create_app(engine, MODEL_NAME)
-    port = _free_port()
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not uv.started:
-        assert time.time() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine, app
-    uv.should_exit = True
-    thread.join(timeout=30)
-    assert not thread.is_alive()
+    with running(app) as base:
+        yield base, engine, app
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +42,6 @@ def reference(bundled) -> dict[str, str]:
     llm = LLM.from_model(model, tokenizer)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     return {o.prompt: o.outputs[0].text for o in outputs}
-
-
-def _wait_idle(engine: LLMEngine, timeout: float = 30) -> None:
-    deadline = time.time() + timeout
-    while engine.has_unfinished_requests() or engine.scheduler.has_unfinished():
-        assert time.time() < deadline, "requests still running"
-        time.sleep(0.05)
 
 
 def test_models_health_and_metrics(server, client) -> None:
@@ -181,7 +155,7 @@ def test_64_concurrent_streams_and_disconnects_leave_every_block_free(server, re
 
     results = asyncio.run(load())
     assert all(text == reference[prompt] for prompt, text in results)
-    _wait_idle(engine)
+    wait_idle(engine)
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks  # the dropped ones were aborted, nothing leaked
     assert server[2].state.async_engine.num_aborted >= len(PROMPTS)  # every dropped stream was aborted

@@ -1,0 +1,175 @@
+"""Requests a careless or hostile client would send, against the engine: each is refused at the door,
+or, if a step still fails, only its own request fails and every other request keeps its tokens.
+
+Each test here was written first against the engine before the hardening work, and failed there.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from llm_runtime import EngineConfig, LLMEngine, SamplingParams, generate
+from llm_runtime.engine import block_manager as block_manager_module
+from llm_runtime.engine import prefix_cache as prefix_cache_module
+
+POISON = 5  # a token id the fault-injecting model refuses to run
+
+
+def poisoned(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make `model.forward` raise whenever its batch holds the token POISON (a bug that only one request hits)."""
+    forward = type(model).forward
+
+    def failing_forward(self, input_ids, *args, **kwargs):
+        if bool((input_ids == POISON).any()):
+            raise RuntimeError("injected fault: the poison token")
+        return forward(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", failing_forward.__get__(model))
+
+
+def prompts(vocab_size: int, count: int, seed: int = 0, length: tuple[int, int] = (3, 40)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(POISON + 1, vocab_size) for _ in range(rng.randint(*length))] for _ in range(count)]
+
+
+def drain(engine: LLMEngine, max_steps: int = 2000) -> dict[str, object]:
+    finals: dict[str, object] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return finals
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+    raise AssertionError(f"requests still unfinished after {max_steps} steps: the engine is stuck")
+
+
+# ---------------------------------------------------------------------------------------------- input
+@pytest.mark.parametrize("params, field", [
+    (dict(stop_token_ids=[10_000], min_tokens=2), "stop_token_ids"),
+    (dict(stop_token_ids=[96, 97]), "stop_token_ids"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(logprobs=10**6), "logprobs"),
+    (dict(seed=2**64), "seed"),
+    (dict(seed=-(2**63) - 1), "seed"),
+])
+def test_out_of_range_fields_are_refused_before_anything_runs(tiny_pairs, params, field) -> None:
+    model, _ = tiny_pairs["llama2"]
+    engine = LLMEngine(model, None, EngineConfig(max_num_seqs=4))
+    with pytest.raises(ValueError, match=field):
+        engine.add_request("bad", [7, 8, 9], SamplingParams(temperature=0, max_tokens=4, **params))
+    assert not engine.has_unfinished_requests()
+    engine.add_request("good", [7, 8, 9], SamplingParams(temperature=0, max_tokens=4))
+    assert drain(engine)["good"].outputs[0].token_ids == generate(model, [7, 8, 9], SamplingParams(temperature=0,
+                                                                                                  max_tokens=4))
+
+
+@pytest.mark.parametrize("prompt", [[7, True, 9], [7, 8.0, 9], [7, -1], [7, 97], "text needs a tokenizer"])
+def test_bad_prompt_ids_are_refused(tiny_pairs, prompt) -> None:
+    model, _ = tiny_pairs["llama2"]
+    engine = LLMEngine(model, None)
+    with pytest.raises(ValueError, match="prompt"):
+        engine.add_request("bad", prompt, SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_prompt_longer_than_the_step_without_chunked_prefill_is_refused(tiny_pairs) -> None:
+    model, _ = tiny_pairs["llama2"]
+    engine = LLMEngine(model, None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32,
+                                                 enable_chunked_prefill=False))
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        engine.add_request("long", list(range(10, 50)), SamplingParams(temperature=0, max_tokens=2))
+    # A prompt that fits, but whose prompt + output could not be recomputed in one step after a preemption:
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request("grows", list(range(10, 30)), SamplingParams(temperature=0, max_tokens=40))
+    engine.add_request("fits", list(range(10, 30)), SamplingParams(temperature=0, max_tokens=8))
+    assert drain(engine)["fits"].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("stop, field", [(["x"] * 100, "stop"), (["y" * 10_000], "stop")])
+def test_too_many_or_too_long_stop_strings_are_refused(tiny_pairs, bundled_tokenizer, stop, field) -> None:
+    model, _ = tiny_pairs["llama2"]
+    engine = LLMEngine(model, bundled_tokenizer)
+    with pytest.raises(ValueError, match=field):
+        engine.add_request("bad", [7, 8, 9], SamplingParams(max_tokens=4, stop=stop))
+    assert not engine.has_unfinished_requests()
+
+
+# ------------------------------------------------------------------------------------------ scheduler
+def test_pending_forks_count_against_max_num_seqs(tiny_pairs) -> None:
+    """A request with n = 3 whose prompt takes several steps holds 3 slots from admission on."""
+    model, _ = tiny_pairs["llama2"]
+    engine = LLMEngine(model, None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=200))
+    engine.add_request("forks", list(range(10, 70)), SamplingParams(n=3, temperature=0, max_tokens=6, ignore_eos=True))
+    for i, prompt in enumerate(prompts(model.config.vocab_size, 6, seed=3, length=(2, 5))):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=6))
+    while engine.has_unfinished_requests():
+        engine.step()
+        scheduler = engine.scheduler
+        pending = sum(len(children) for parent, children in scheduler.forks.items() if parent in scheduler.running)
+        assert len(scheduler.running) + pending <= 4
+
+
+# ------------------------------------------------------------------------------------------ faults
+def test_a_failing_request_fails_alone_and_the_others_keep_their_tokens(tiny_pairs, monkeypatch) -> None:
+    model, _ = tiny_pairs["llama2"]
+    batch = prompts(model.config.vocab_size, 8, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [generate(model, p, params) for p in batch]
+    poisoned(model, monkeypatch)
+    engine = LLMEngine(model, None, EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=100))
+    for i, prompt in enumerate(batch):
+        engine.add_request(str(i), prompt, params)
+    engine.add_request("poison", [9, 10, POISON, 11], SamplingParams(n=2, temperature=0, max_tokens=12))
+    finals = drain(engine)
+    assert [c.finish_reason for c in finals["poison"].outputs] == ["error", "error"]
+    assert [finals[str(i)].outputs[0].token_ids for i in range(len(batch))] == expected
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == stats.num_waiting == 0
+
+
+def test_a_failing_request_that_joins_running_decodes_fails_alone(tiny_pairs, monkeypatch) -> None:
+    """The faulty request arrives while the others decode: its prefill shares their step, they go on."""
+    model, _ = tiny_pairs["llama2"]
+    batch = prompts(model.config.vocab_size, 4, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = [generate(model, p, params) for p in batch]
+    poisoned(model, monkeypatch)
+    engine = LLMEngine(model, None, EngineConfig(max_num_seqs=8))
+    for i, prompt in enumerate(batch):
+        engine.add_request(str(i), prompt, params)
+    engine.step()
+    engine.add_request("late-poison", [12, 13, POISON], SamplingParams(temperature=0, max_tokens=4))
+    finals = drain(engine)
+    assert finals["late-poison"].outputs[0].finish_reason == "error"
+    assert [finals[str(i)].outputs[0].token_ids for i in range(len(batch))] == expected
+
+
+# ------------------------------------------------------------------------------------------ prefix cache
+def _colliding(parent, token_ids):
+    """A deliberately weak hash: only the first token of each block counts."""
+    return hash((parent, token_ids[0]))
+
+
+@pytest.mark.parametrize("weak_hash", [_colliding, lambda parent, token_ids: 0])
+def test_colliding_block_hashes_never_reuse_another_prompts_blocks(tiny_pairs, monkeypatch, weak_hash) -> None:
+    model, _ = tiny_pairs["llama2"]
+    vocab = model.config.vocab_size
+    rng = random.Random(4)
+    first = [rng.randrange(6, vocab) for _ in range(48)]
+    # Same first token in every block, different everything else: every block hash collides.
+    second = [token if i % 16 == 0 else (token + 1) % vocab or 6 for i, token in enumerate(first)]
+    # And a prompt whose second block collides with `first`'s after a different first block.
+    third = list(second[:16]) + first[16:]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = {name: generate(model, p, params) for name, p in (("first", first), ("second", second), ("third", third))}
+    monkeypatch.setattr(prefix_cache_module, "block_hash", weak_hash)
+    monkeypatch.setattr(block_manager_module, "block_hash", weak_hash, raising=False)
+    engine = LLMEngine(model, None, EngineConfig(block_size=16, num_kv_blocks=64, enable_prefix_caching=True))
+    for name, prompt in (("first", first), ("second", second), ("third", third), ("again", first)):
+        engine.add_request(name, prompt, params)
+        finals = drain(engine)  # one at a time: every later prompt finds the earlier ones' blocks cached
+        assert finals[name].outputs[0].token_ids == expected["first" if name == "again" else name], name
+    assert engine.stats().prefix_cache_hit_tokens >= 32  # the true repeat still hits
