@@ -126,3 +126,19 @@ def transformers_greedy(reference: torch.nn.Module, prompt: list[int], num_token
     with torch.no_grad():
         out = reference.generate(torch.tensor([prompt]), generation_config=config)
     return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(autouse=True)
+def engine_invariants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every engine a test builds (directly, through LLM, the server or a benchmark) checks its books
+    after every step, as `EngineConfig(check_invariants=True)` does."""
+    from llm_runtime.engine.engine import LLMEngine
+
+    step = LLMEngine.step
+
+    def checked_step(self: LLMEngine):
+        outputs = step(self)
+        self.check_invariants()
+        return outputs
+
+    monkeypatch.setattr(LLMEngine, "step", checked_step)

@@ -160,9 +160,15 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # the pool size in bytes, if set (and num_kv_blocks is not)
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may use, weights included
     enable_prefix_caching: bool = True  # reuse computed blocks of equal prefixes across requests
+    # Limits on what one request may ask for (the input processor refuses more, naming the field).
+    max_logprobs: int = 20  # top logprobs per token (`logprobs`, `prompt_logprobs`), as vLLM's default
+    max_num_stop_strings: int = 16  # stop strings per request
+    max_stop_string_len: int = 256  # characters in one stop string (the text held back while streaming)
+    check_invariants: bool = False  # check the scheduler's books after every step (the test suite turns it on)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_num_stop_strings",
+                     "max_stop_string_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -177,6 +183,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_runtime.engine.block_manager import NO_PARENT, BlockManager, block_hash
+from llm_runtime.engine.block_manager import BlockManager
 
 BLOCK_SIZE = 4
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 7, 7], [5] * 12, []]
@@ -21,7 +21,8 @@ class Simulation:
         self.manager = BlockManager(num_blocks, BLOCK_SIZE, prefix_caching)
         self.tokens: dict[int, list[int]] = {}
         self.pool: dict[int, list[int | None]] = {b: [None] * BLOCK_SIZE for b in range(num_blocks)}
-        self.prefix_of_hash: dict[int, tuple[int, ...]] = {}
+        # What each physical block was computed after: the sequence's tokens up to the block's end.
+        self.prefix_of_block: dict[int, tuple[int, ...]] = {}
         self.next_key = 0
 
     def write(self, key: int, start: int) -> None:
@@ -29,11 +30,8 @@ class Simulation:
         table, tokens = self.manager.block_tables[key], self.tokens[key]
         for t in range(start, len(tokens)):
             self.pool[table[t // BLOCK_SIZE]][t % BLOCK_SIZE] = tokens[t]
+            self.prefix_of_block[table[t // BLOCK_SIZE]] = tuple(tokens[: (t // BLOCK_SIZE + 1) * BLOCK_SIZE])
         self.manager.mark_computed(key, tokens, len(tokens))
-        parent = NO_PARENT
-        for i in range(len(tokens) // BLOCK_SIZE):
-            parent = block_hash(parent, tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
-            self.prefix_of_hash[parent] = tuple(tokens[: (i + 1) * BLOCK_SIZE])
 
     def add(self, tokens: list[int]) -> None:
         if not tokens or not self.manager.can_allocate(tokens):
@@ -82,12 +80,15 @@ class Simulation:
             assert allocator.ref_counts[block] == held.get(block, 0) >= 0
         assert allocator.num_free_blocks + len(held) == allocator.num_blocks
         cache = allocator.prefix_cache
-        assert all(allocator.ref_counts[b] == 0 and b not in cache.hash_of for b in allocator.free)
-        assert all(allocator.ref_counts[b] == 0 and b in cache.hash_of for b in cache.evictable)
-        assert set(allocator.free).isdisjoint(cache.evictable)
-        for block, hash_value in cache.hash_of.items():  # a cached block's contents match its hash
-            assert cache.block_of[hash_value] == block
-            assert tuple(self.pool[block]) == self.prefix_of_hash[hash_value][-BLOCK_SIZE:]
+        manager.check_invariants()
+        for block, entry in cache.by_block.items():
+            assert cache.by_key[entry.key] is entry and entry.block == block
+            assert tuple(self.pool[block]) == entry.token_ids  # a named block holds its tokens
+        for key in manager.block_tables:  # every block a lookup can reach was computed after exactly its prefix
+            tokens = self.tokens[key]
+            hits = cache.match(tokens, BLOCK_SIZE, len(tokens) // BLOCK_SIZE)
+            for i, hit in enumerate(hits):
+                assert self.prefix_of_block[hit.block] == tuple(tokens[: (i + 1) * BLOCK_SIZE])
         for key, table in manager.block_tables.items():  # every sequence reads its own tokens
             tokens = self.tokens[key]
             assert [self.pool[table[t // BLOCK_SIZE]][t % BLOCK_SIZE] for t in range(len(tokens))] == tokens
@@ -150,7 +151,7 @@ def test_prefix_reuse_lru_eviction_and_copy_on_write() -> None:
     manager.free("d")
     for i in range(6):
         manager.allocate(f"x{i}", [100 + i])
-    assert not manager.allocator.prefix_cache.hash_of
+    assert not manager.allocator.prefix_cache.by_block
     # Fork then write: the shared partial block is copied, full blocks stay shared.
     for i in range(6):
         manager.free(f"x{i}")

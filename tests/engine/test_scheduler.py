@@ -15,6 +15,11 @@ def _seq(request_id: str, prompt_len: int, max_tokens: int = 4) -> Sequence:
                     max_new_tokens=max_tokens)
 
 
+def _sampled(batch, tokens: list[int]) -> dict:
+    """The runner's result for `batch`: tokens[i] for the i-th item that samples."""
+    return dict(zip([item.seq for item in batch.items if item.samples], tokens))
+
+
 def _plan(batch) -> list[tuple[str, int, int]]:
     return [(item.seq.request_id, item.start, item.num_new_tokens) for item in batch.items]
 
@@ -26,7 +31,7 @@ def test_fcfs_admission_chunked_prefill_and_decode_first() -> None:
     first = scheduler.schedule()
     assert _plan(first) == [("a", 0, 4), ("b", 0, 6)]  # b's prompt is split: 6 now, 3 next step
     assert [item.samples for item in first.items] == [True, False]
-    scheduler.postprocess(first, [7, None], now=1.0)
+    scheduler.postprocess(first, _sampled(first, [7]), now=1.0)
     second = scheduler.schedule()
     # Running first (a decodes 1, b finishes its prompt), then c joins; d waits: 3 running is the cap.
     assert _plan(second) == [("a", 4, 1), ("b", 6, 3), ("c", 0, 2)]
@@ -40,7 +45,7 @@ def test_finished_sequences_leave_and_free_their_slot_at_once() -> None:
     scheduler.add(_seq("b", 2, max_tokens=1))
     batch = scheduler.schedule()
     assert _plan(batch) == [("a", 0, 3)]
-    finished = scheduler.postprocess(batch, [5], now=1.0)
+    finished = scheduler.postprocess(batch, _sampled(batch, [5]), now=1.0)
     assert [s.request_id for s in finished] == ["a"] and finished[0].status is SequenceStatus.FINISHED_LENGTH
     assert _plan(scheduler.schedule()) == [("b", 0, 2)]
 
@@ -78,7 +83,7 @@ def test_the_newest_running_sequence_is_preempted_when_decodes_outgrow_the_pool(
     scheduler.add(b)
     first = scheduler.schedule()
     assert _plan(first) == [("a", 0, 4), ("b", 0, 7)] and scheduler.block_manager.num_free_blocks == 0
-    scheduler.postprocess(first, [5, 6], now=1.0)
+    scheduler.postprocess(first, _sampled(first, [5, 6]), now=1.0)
     # a's token 4 needs a new block; none is free, so b (the newest) gives its two back.
     assert _plan(scheduler.schedule()) == [("a", 4, 1)]
     assert list(scheduler.waiting) == [b] and b.status is SequenceStatus.WAITING

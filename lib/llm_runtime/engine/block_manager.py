@@ -7,10 +7,10 @@ table[t // block_size]. Blocks are reference counted so that sequences can share
 whose tokens, and the tokens before them, are the same. A shared block is copied before a sequence
 writes into it (copy-on-write).
 
-With prefix caching (`prefix_cache.py`), a full block is named by a hash chained from its parent
-block's hash and its own tokens, so equal hashes mean equal prefixes. A block whose last reference
-goes keeps its hash and contents, and can be revived by a later request, until it is evicted,
-least recently used first.
+With prefix caching (`prefix_cache.py`), a full block is named by a key chained from its parent
+block's key and its own tokens, so equal keys mean equal prefixes (and a hit is checked on the
+tokens, not trusted on the key). A block whose last reference goes keeps its name and contents,
+and can be revived by a later request, until it is evicted, least recently used first.
 """
 
 from __future__ import annotations
@@ -19,16 +19,14 @@ from collections import deque
 from collections.abc import Sequence as TokenList
 from typing import Hashable
 
-from .prefix_cache import NO_PARENT, PrefixCache, block_hash, chained_hashes
-
-__all__ = ["NO_PARENT", "BlockAllocator", "BlockManager", "block_hash"]
+from .prefix_cache import CachedBlock, PrefixCache
 
 
 class BlockAllocator:
     """A free list, a reference count per block, and the prefix cache of freed blocks that keep a hash.
 
-    Invariants: a block is in exactly one of `free` (ref 0, no hash), the prefix cache's evictable
-    list (ref 0, hashed, LRU order) or in use (ref > 0); `num_free_blocks` counts the first two.
+    Invariants: a block is in exactly one of `free` (ref 0, unnamed), the prefix cache's evictable
+    list (ref 0, named, LRU order) or in use (ref > 0); `num_free_blocks` counts the first two.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -80,7 +78,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.allocator = BlockAllocator(num_blocks)
         self.block_tables: dict[Hashable, list[int]] = {}
-        self._hashes: dict[Hashable, list[int]] = {}  # chained hashes of each table's full blocks
+        # Per sequence, the cache entry standing for each of its leading full, computed blocks (its
+        # own or an equal one named first); None once a block could not be named (a key collision).
+        self._chains: dict[Hashable, list[CachedBlock | None]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -96,57 +96,56 @@ class BlockManager:
     def has_blocks(self, seq_key: Hashable) -> bool:
         return seq_key in self.block_tables
 
-    def num_hashed_blocks(self, seq_key: Hashable) -> int:
-        """How many of the sequence's leading blocks are full, computed and named."""
-        return len(self._hashes[seq_key])
+    def num_named_blocks(self, seq_key: Hashable) -> int:
+        """How many of the sequence's leading full, computed blocks went through the prefix cache."""
+        return len(self._chains[seq_key])
 
-    def _prefix_hits(self, token_ids: TokenList[int]) -> list[int]:
+    def _prefix_hits(self, token_ids: TokenList[int], use_cache: bool = True) -> list[CachedBlock]:
         """Cached blocks for the leading full blocks; never the whole prompt (its last token must run)."""
-        if not self.enable_prefix_caching:
+        if not (self.enable_prefix_caching and use_cache):
             return []
-        hits, parent = [], NO_PARENT
-        for start in range(0, len(token_ids) - self.block_size, self.block_size):
-            parent = block_hash(parent, token_ids[start : start + self.block_size])
-            block = self.allocator.prefix_cache.lookup(parent)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        return self.allocator.prefix_cache.match(token_ids, self.block_size, (len(token_ids) - 1) // self.block_size)
 
-    def num_cached_tokens(self, token_ids: TokenList[int]) -> int:
+    def num_cached_tokens(self, token_ids: TokenList[int], use_cache: bool = True) -> int:
         """How many leading tokens `allocate` would find in the prefix cache now."""
-        return len(self._prefix_hits(token_ids)) * self.block_size
+        return len(self._prefix_hits(token_ids, use_cache)) * self.block_size
 
-    def can_allocate(self, token_ids: TokenList[int]) -> bool:
+    def can_allocate(self, token_ids: TokenList[int], use_cache: bool = True) -> bool:
         """Whether blocks for all of `token_ids` can be had now (cached prefix blocks reused)."""
-        hits = self._prefix_hits(token_ids)
-        revived = sum(1 for block in hits if self.allocator.ref_counts[block] == 0)
+        hits = self._prefix_hits(token_ids, use_cache)
+        revived = sum(1 for hit in hits if self.allocator.ref_counts[hit.block] == 0)
         return self.blocks_needed(len(token_ids)) - len(hits) + revived <= self.num_free_blocks
 
-    def allocate(self, seq_key: Hashable, token_ids: TokenList[int]) -> int:
-        """Give `seq_key` a block table for `token_ids`; returns how many leading tokens are cached."""
+    def allocate(self, seq_key: Hashable, token_ids: TokenList[int], use_cache: bool = True) -> int:
+        """Give `seq_key` a block table for `token_ids`; returns how many leading tokens are cached.
+
+        `use_cache=False` computes every token (a request that wants the logprobs of its whole prompt).
+        """
         if seq_key in self.block_tables:
             raise ValueError(f"{seq_key!r} already has blocks")
-        if not self.can_allocate(token_ids):
+        if not self.can_allocate(token_ids, use_cache):
             raise RuntimeError("not enough free KV blocks: call can_allocate first")
-        hits = self._prefix_hits(token_ids)
-        for block in hits:
-            self.allocator.incref(block)
-        table = hits + [self.allocator.allocate() for _ in range(self.blocks_needed(len(token_ids)) - len(hits))]
-        self.block_tables[seq_key] = table
-        self._hashes[seq_key] = chained_hashes(token_ids, self.block_size, len(hits))
+        hits = self._prefix_hits(token_ids, use_cache)
+        for hit in hits:
+            self.allocator.incref(hit.block)
+        fresh = [self.allocator.allocate() for _ in range(self.blocks_needed(len(token_ids)) - len(hits))]
+        self.block_tables[seq_key] = [hit.block for hit in hits] + fresh
+        self._chains[seq_key] = list(hits)
         return len(hits) * self.block_size
 
     def mark_computed(self, seq_key: Hashable, token_ids: TokenList[int], num_computed: int) -> None:
         """After a step: name the blocks that became full and computed, so later requests can reuse them."""
         if not self.enable_prefix_caching:
             return
-        hashes, table = self._hashes[seq_key], self.block_tables[seq_key]
-        while (len(hashes) + 1) * self.block_size <= num_computed:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else NO_PARENT
-            hashes.append(block_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size]))
-            self.allocator.prefix_cache.insert(table[i], hashes[-1])
+        chain, table = self._chains[seq_key], self.block_tables[seq_key]
+        cache = self.allocator.prefix_cache
+        while (len(chain) + 1) * self.block_size <= num_computed:
+            i = len(chain)
+            if chain and chain[-1] is None:  # the chain broke at a collision: nothing after it is named
+                chain.append(None)
+                continue
+            tokens = token_ids[i * self.block_size : (i + 1) * self.block_size]
+            chain.append(cache.insert(table[i], chain[-1] if chain else None, tokens))
 
     def can_append(self, seq_key: Hashable, num_tokens: int) -> bool:
         """Whether the table can grow to hold `num_tokens` and copy a shared last block if it must."""
@@ -171,7 +170,7 @@ class BlockManager:
             table[write_block] = self.allocator.allocate()
             self.allocator.decref(shared)
             copies.append((shared, table[write_block]))
-            del self._hashes[seq_key][write_block:]
+            del self._chains[seq_key][write_block:]
         while len(table) < self.blocks_needed(num_tokens):
             table.append(self.allocator.allocate())
         return copies
@@ -184,10 +183,30 @@ class BlockManager:
         for block in table:
             self.allocator.incref(block)
         self.block_tables[child_key] = table
-        self._hashes[child_key] = list(self._hashes[parent_key])
+        self._chains[child_key] = list(self._chains[parent_key])
 
     def free(self, seq_key: Hashable) -> None:
         """Release a sequence's blocks, last first, so a prefix outlives its tails in the cache."""
         for block in reversed(self.block_tables.pop(seq_key)):
             self.allocator.decref(block)
-        del self._hashes[seq_key]
+        del self._chains[seq_key]
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless the books balance: every reference is a table entry, and every
+        block is exactly one of free, parked (named, evictable) or held."""
+        allocator, cache = self.allocator, self.allocator.prefix_cache
+        held: dict[int, int] = {}
+        for table in self.block_tables.values():
+            for block in table:
+                held[block] = held.get(block, 0) + 1
+        for block in range(allocator.num_blocks):
+            assert allocator.ref_counts[block] == held.get(block, 0), f"block {block}: ref count != holders"
+        free, parked = set(allocator.free), set(cache.evictable)
+        assert len(free) == len(allocator.free) and not free & parked and not free & held.keys()
+        assert not parked & held.keys(), "a parked block is held"
+        assert len(free) + len(parked) + len(held) == allocator.num_blocks, "blocks lost or counted twice"
+        assert all(block not in cache.by_block for block in free), "a free block is still named"
+        assert all(block in cache.by_block for block in parked), "a parked block has no name"
+        assert len(cache.by_key) == len(cache.by_block)
+        for key, chain in self._chains.items():
+            assert len(chain) <= len(self.block_tables[key])

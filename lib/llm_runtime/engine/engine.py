@@ -5,9 +5,13 @@
         for output in engine.step():       # schedule -> run -> postprocess
             print(output.request_id, output.outputs[0].text_delta)
 
-Bad input is refused in `add_request` with a ValueError, before anything enters the engine, so the
-requests already running are never disturbed by it. That includes a prompt that could never fit
-in the KV pool, which would otherwise wait forever.
+Bad input is refused in `add_request` (by the `InputProcessor`) with an `InvalidRequestError`, a
+ValueError naming the field, before anything enters the engine, so the requests already running
+are never disturbed by it. That includes a prompt that could never be scheduled.
+
+If a step still fails (a bug, a fault in one request's data), the engine retries the step one
+request at a time: the requests whose step fails again finish with `finish_reason="error"` and
+free their blocks; every other request goes on with exactly the tokens it would have had.
 
 The engine owns the KV pool (`PagedKVCache`) and its bookkeeping (`BlockManager`); `stats()`
 reports both, with the scheduler's preemption and prefix-cache counters.
@@ -15,41 +19,32 @@ reports both, with the scheduler's preemption and prefix-cache counters.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections import abc
 from dataclasses import dataclass, replace
 
 from ..attention.kv_cache import PagedKVCache, kv_block_bytes, num_blocks_in
 from ..config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from ..errors import InvalidRequestError
 from ..model import CausalLM
 from ..model.tokenizer import Tokenizer
 from ..sampling import Sampler, SamplingParams
 from .block_manager import BlockManager
-from .detokenizer import IncrementalDetokenizer
-from .generate import max_new_tokens, validate_prompt
-from .model_runner import ModelRunner, StepProfile, profile_kv_cache_memory
-from .outputs import RequestOutput, completion_output, request_metrics
+from .input_processor import EngineRequest, InputProcessor, Messages, Prompt
+from .model_runner import ModelRunner, ModelRunnerOutput, StepProfile, profile_kv_cache_memory
+from .output_processor import OutputProcessor
+from .outputs import RequestOutput
 from .scheduler import ScheduledBatch, Scheduler, StepRecord
-from .sequence import Sequence
+from .sequence import Sequence, SequenceStatus
 
-# What `add_request` accepts as a prompt: text, token ids, or vLLM's dict forms.
-Prompt = str | list[int] | dict
+logger = logging.getLogger(__name__)
 
-
-@dataclass
-class EngineRequest:
-    """A validated request: its tokens and the n sequences that will complete it."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    sequences: list[Sequence]
-    num_tokens_sent: list[int]
+__all__ = ["EngineRequest", "EngineStats", "LLMEngine", "Messages", "Prompt"]
 
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot of the engine's memory and queues (lessons, tests and benchmarks read it)."""
+    """A snapshot of the engine's memory and queues (lessons, tests, benchmarks and the server read it)."""
 
     num_total_blocks: int
     num_free_blocks: int  # never used or cached-but-unreferenced (evictable)
@@ -60,6 +55,7 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
+    num_failed_requests: int = 0  # requests a failed step finished with an error
 
     @property
     def num_used_blocks(self) -> int:
@@ -77,31 +73,41 @@ class LLMEngine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer | None, config: EngineConfig | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.config = config or EngineConfig()
+        self.config = config = config or EngineConfig()
         limit = model.config.max_position_embeddings
-        if self.config.max_model_len is not None and self.config.max_model_len > limit:
-            raise ValueError(f"max_model_len {self.config.max_model_len} is beyond the model's {limit} positions")
-        num_blocks = self._num_kv_blocks(self.config.max_model_len or limit)
-        block_size = self.config.block_size
-        if self.config.max_model_len is not None and self.config.max_model_len > num_blocks * block_size:
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len {config.max_model_len} is beyond the model's {limit} positions")
+        # Without chunked prefill a whole prompt (after a preemption: prompt + output) must fit in one step.
+        step_limit = None if config.enable_chunked_prefill else config.max_num_batched_tokens + 1
+        if config.max_model_len is not None and step_limit is not None and config.max_model_len > step_limit:
+            raise ValueError(f"max_model_len {config.max_model_len} cannot be scheduled with enable_chunked_prefill="
+                             f"False and max_num_batched_tokens={config.max_num_batched_tokens}: a sequence must "
+                             f"fit in one step (max_model_len <= max_num_batched_tokens + 1)")
+        num_blocks = self._num_kv_blocks(config.max_model_len or limit)
+        block_size = config.block_size
+        if config.max_model_len is not None and config.max_model_len > num_blocks * block_size:
             raise ValueError(
-                f"max_model_len {self.config.max_model_len} needs more KV memory than the pool's {num_blocks} "
+                f"max_model_len {config.max_model_len} needs more KV memory than the pool's {num_blocks} "
                 f"blocks of {block_size} tokens; lower max_model_len or give the engine more KV memory "
                 f"(num_kv_blocks, kv_cache_memory or gpu_memory_utilization)"
             )
-        self.context_limit = self.config.max_model_len or limit
+        context_len = min(config.max_model_len or limit, step_limit or limit)
         # Unless asked for, a context longer than the whole pool is not offered.
-        self.max_model_len = min(self.context_limit, num_blocks * block_size)
+        self.max_model_len = min(context_len, num_blocks * block_size)
         self.kv_cache = PagedKVCache.for_model(model.config, num_blocks, block_size, dtype=model.dtype,
                                                device=model.device)
-        self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
         self.profile = StepProfile()  # where step time goes (lesson 09, bench)
-        self.model_runner = ModelRunner(model, Sampler(seed=self.config.seed, device=model.device), self.kv_cache,
+        self.model_runner = ModelRunner(model, Sampler(seed=config.seed, device=model.device), self.kv_cache,
                                         self.profile)
-        self.requests: dict[str, EngineRequest] = {}
+        self.input_processor = InputProcessor(tokenizer, model.config, config, context_len=context_len,
+                                              max_model_len=self.max_model_len, num_kv_blocks=num_blocks)
+        self.output_processor = OutputProcessor(tokenizer)
         self.step_records: list[StepRecord] = []
+        self.num_failed_requests = 0
         self._num_steps = 0
+        self._num_idle_steps = 0  # consecutive steps that scheduled nothing while requests were left
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         """The pool size: num_kv_blocks, else kv_cache_memory, else profiled (CUDA) or a default (CPU)."""
@@ -122,94 +128,39 @@ class LLMEngine:
         return num_blocks
 
     # ------------------------------------------------------------------ requests
-    def add_request(
-        self,
-        request_id: str,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        arrival_time: float | None = None,
-    ) -> None:
-        """Validate and enqueue a request; raises ValueError (and changes nothing) on bad input."""
-        self.add_prepared(self.prepare_request(request_id, prompt, params, arrival_time))
+    @property
+    def requests(self) -> dict:
+        """The live requests by id (those added and not yet finished or aborted)."""
+        return self.output_processor.requests
 
-    def prepare_request(
-        self,
-        request_id: str,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        arrival_time: float | None = None,
-    ) -> EngineRequest:
-        """Validate and tokenize a request without touching the engine's state (the async engine
-        validates this way while a step runs, and adds the request between steps)."""
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n = {params.n} completions cannot run at once under max_num_seqs = "
-                             f"{self.config.max_num_seqs}")
-        text, token_ids = self._tokenize(prompt)
-        token_ids = validate_prompt(token_ids, self.model.config.vocab_size, self.context_limit)
-        blocks = self.block_manager
-        needed = blocks.blocks_needed(len(token_ids) + 1)  # the prompt and at least one new token
-        if needed > blocks.num_total_blocks:
-            raise ValueError(
-                f"prompt of {len(token_ids)} tokens needs {needed} KV blocks of {blocks.block_size} tokens, "
-                f"but the whole pool has {blocks.num_total_blocks}: it could never run (give the engine more "
-                f"KV memory: num_kv_blocks, kv_cache_memory or gpu_memory_utilization)"
-            )
-        budget = max_new_tokens(params, len(token_ids), self.max_model_len)
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
-        arrival = time.perf_counter() if arrival_time is None else arrival_time
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Validate and enqueue a request; raises InvalidRequestError (and changes nothing) on bad input."""
+        self.add_processed(self.input_processor.process(request_id, prompt, params, arrival_time))
+
+    def add_processed(self, request: EngineRequest) -> None:
+        """Enqueue a request the input processor made (the async engine validates off the event loop,
+        then adds the request between steps)."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError("request_id", f"request id {request.request_id!r} is already in use")
+        params = request.params
         sequences = []
         for index in range(params.n):
             # As vLLM does for n > 1, completion i of a seeded request uses seed + i.
             seq_params = params if params.seed is None or index == 0 else replace(params, seed=params.seed + index)
-            detokenizer = None
-            if self.tokenizer is not None:
-                detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
             sequences.append(Sequence(
-                request_id, token_ids, seq_params, max_new_tokens=budget,
-                eos_token_ids=self.model.config.eos_token_ids, detokenizer=detokenizer, index=index,
-                arrival_time=arrival, generator=seq_params.make_generator(self.model.device),
-            ))
-        return EngineRequest(request_id, text, token_ids, sequences, [0] * params.n)
-
-    def add_prepared(self, request: EngineRequest) -> None:
-        """Enqueue a request made by `prepare_request`."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
-        self.scheduler.add(request.sequences[0], request.sequences[1:])
-
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return None, prompt["prompt_token_ids"]
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a dict prompt needs a 'prompt' or 'prompt_token_ids' key")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; pass token ids instead")
-            if not prompt:
-                raise ValueError("prompt is empty: give at least one token")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, abc.Sequence) and not isinstance(prompt, bytes):
-            return None, list(prompt)
-        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+                request.request_id, request.prompt_token_ids, seq_params, max_new_tokens=request.max_new_tokens,
+                eos_token_ids=self.model.config.eos_token_ids, index=index, arrival_time=request.arrival_time,
+                generator=seq_params.make_generator(self.model.device)))
+        self.output_processor.add_request(request, sequences)
+        self.scheduler.add(sequences[0], sequences[1:])
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its sequences finish with reason "abort" and free their caches."""
         if request_id not in self.requests:
             raise ValueError(f"unknown request id {request_id!r} (never added, or already finished)")
         self.scheduler.abort(request_id)
-        del self.requests[request_id]
+        self.output_processor.abort_request(request_id)
 
     def stats(self) -> EngineStats:
         blocks, scheduler = self.block_manager, self.scheduler
@@ -223,6 +174,7 @@ class LLMEngine:
             num_preemptions=scheduler.num_preemptions,
             prefix_cache_queried_tokens=scheduler.num_prefix_queried_tokens,
             prefix_cache_hit_tokens=scheduler.num_prefix_hit_tokens,
+            num_failed_requests=self.num_failed_requests,
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -236,35 +188,62 @@ class LLMEngine:
         """One iteration: schedule, run the model, postprocess; returns outputs of requests that progressed."""
         start = time.perf_counter()
         batch = self.scheduler.schedule()
+        self._num_idle_steps = 0 if batch.items or not self.has_unfinished_requests() else self._num_idle_steps + 1
         if not batch.items:
+            if self.config.check_invariants:
+                self.check_invariants()
             return []
         scheduled = time.perf_counter()
         self.profile.schedule += scheduled - start
-        sampled, logprobs = self.model_runner.run(batch)
+        result = self._run(batch)
         now = time.perf_counter()
-        self.scheduler.postprocess(batch, sampled, now, logprobs)
+        self.scheduler.postprocess(batch, result.sampled, now)
+        for seq, chunk_start, entries in result.prompt_logprobs:
+            self.output_processor.add_prompt_logprobs(seq.request_id, chunk_start, entries)
+        outputs, finished = self.output_processor.process(batch.request_ids, result.logprobs, now)
+        self.scheduler.finish(finished)  # ended by a stop string: free their blocks now
         if self.config.record_steps:
             self._record(batch, start, now)
         self._num_steps += 1
-        outputs = []
-        for request_id in dict.fromkeys(item.seq.request_id for item in batch.items):
-            request = self.requests.get(request_id)
-            if request is not None:
-                outputs.append(self._make_output(request))
         self.profile.postprocess += time.perf_counter() - now
         self.profile.num_steps += 1
+        if self.config.check_invariants:
+            self.check_invariants()
         return outputs
 
-    def _make_output(self, request: EngineRequest) -> RequestOutput:
-        completions = []
-        for i, seq in enumerate(request.sequences):
-            completions.append(completion_output(seq, request.num_tokens_sent[i]))
-            request.num_tokens_sent[i] = seq.num_output_tokens
-        finished = all(seq.is_finished for seq in request.sequences)
-        if finished:
-            del self.requests[request.request_id]
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             finished, request_metrics(request.sequences))
+    def _run(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+        """Run the step; if it fails, run it again one request at a time and fail only the requests
+        whose part fails again. Rerunning is safe: nothing was recorded for the failed step, its KV
+        writes go to the same slots again, and copy-on-write copies are idempotent. (A seeded
+        request's generator may have drawn in the failed attempt: its draws after a failure differ.)"""
+        try:
+            return self.model_runner.run(batch)
+        except Exception:
+            logger.exception("a step of %d requests failed; retrying them one at a time", len(batch.request_ids))
+        result = ModelRunnerOutput()
+        for part in batch.split_by_request():
+            request_id = part.items[0].seq.request_id
+            try:
+                partial = self.model_runner.run(part)
+            except Exception:
+                logger.exception("request %s failed; finishing it with an error", request_id)
+                self.scheduler.abort(request_id, SequenceStatus.FINISHED_ERROR)
+                self.num_failed_requests += 1
+                continue
+            result.sampled.update(partial.sampled)
+            result.logprobs.update(partial.logprobs)
+            result.prompt_logprobs += partial.prompt_logprobs
+        return result
+
+    def check_invariants(self) -> None:
+        """Assert the scheduler's and the block manager's books, and that unfinished work makes progress."""
+        self.scheduler.check_invariants()
+        live = {seq for state in self.requests.values() for seq in state.sequences if not seq.is_finished}
+        scheduled = set(self.scheduler.running) | set(self.scheduler.waiting) | {
+            child for children in self.scheduler.forks.values() for child in children}
+        assert live == scheduled, "a live request's sequence is missing from the scheduler, or the reverse"
+        # Only a fork made at admission leaves one step with nothing to run; two in a row means stuck.
+        assert self._num_idle_steps < 2, "requests are waiting but no step can run them"
 
     def _record(self, batch: ScheduledBatch, start: float, end: float) -> None:
         items = [(it.seq.request_id, it.seq.index, it.num_new_tokens, it.is_prefill) for it in batch.items]

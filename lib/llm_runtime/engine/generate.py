@@ -9,34 +9,8 @@ import torch
 
 from ..model import CausalLM
 from ..sampling import Sampler, SamplingParams
+from .input_processor import max_new_tokens, validate_prompt, validate_stop_token_ids
 from .sequence import Sequence, sample_sequences
-
-
-def validate_prompt(prompt_token_ids: abc.Sequence[int], vocab_size: int, max_model_len: int) -> list[int]:
-    """The prompt as a list of ints, or a ValueError saying what is wrong with it."""
-    if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, abc.Sequence):
-        raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(prompt_token_ids).__name__}")
-    ids = list(prompt_token_ids)
-    if not ids:
-        raise ValueError("prompt_token_ids is empty: give at least one token")
-    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
-        raise ValueError(f"prompt_token_ids must be integers in [0, {vocab_size})")
-    if len(ids) >= max_model_len:
-        raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {max_model_len}")
-    return ids
-
-
-def max_new_tokens(params: SamplingParams, prompt_len: int, max_model_len: int) -> int:
-    """How many tokens a request may generate: max_tokens, and never past the context."""
-    room = max_model_len - prompt_len
-    if params.max_tokens is None:
-        return room
-    if params.max_tokens > room:
-        raise ValueError(
-            f"max_tokens={params.max_tokens} with a {prompt_len}-token prompt exceeds the model's "
-            f"context of {max_model_len} tokens (at most {room})"
-        )
-    return params.max_tokens
 
 
 @torch.inference_mode()
@@ -56,6 +30,7 @@ def generate(
     config = model.config
     prompt = validate_prompt(prompt_token_ids, config.vocab_size, config.max_position_embeddings)
     budget = max_new_tokens(params, len(prompt), config.max_position_embeddings)
+    validate_stop_token_ids(params, config.vocab_size)
     sampler = sampler or Sampler(device=model.device)
     seq = Sequence("generate", prompt, params, max_new_tokens=budget, eos_token_ids=config.eos_token_ids,
                    generator=params.make_generator(model.device))

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -16,12 +17,11 @@ from tqdm import tqdm
 
 from ..config import EngineConfig
 from ..model import CausalLM, load_model
-from ..model.tokenizer import Tokenizer, encode_chat
-from ..sampling import SamplingParams
-from .engine import LLMEngine, Prompt
+from ..model.tokenizer import Tokenizer
+from ..sampling import RequestOutputKind, SamplingParams
+from .engine import LLMEngine
+from .input_processor import EngineRequest, Messages, Prompt
 from .outputs import RequestOutput
-
-Messages = list[dict[str, str]]
 
 
 class LLM:
@@ -62,8 +62,11 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of `prompts`."""
-        request_ids = self._add_requests(prompts, sampling_params)
+        """Run every prompt to completion; outputs come back in the order of `prompts`.
+
+        If a request fails inside the engine, its output has finish_reason "error"; the others are kept.
+        """
+        request_ids = self._add_requests(prompts, sampling_params, RequestOutputKind.FINAL_ONLY)
         final: dict[str, RequestOutput] = {}
         with tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm) as progress:
             while self.llm_engine.has_unfinished_requests():
@@ -98,17 +101,18 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the chat template."""
-        if self.tokenizer is None:
-            raise ValueError("chat needs a tokenizer")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": encode_chat(self.tokenizer, list(c))} for c in conversations]  # type: ignore[arg-type]
+        render = self.llm_engine.input_processor.render_chat
+        prompts = [{"prompt_token_ids": render(list(c))} for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _add_requests(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        output_kind: RequestOutputKind | None = None,
     ) -> list[str]:
+        """Validate every prompt first, then add them all: one refused prompt adds nothing."""
         # One prompt (text, a dict, or a flat list of ids) or a list of prompts.
         single = isinstance(prompts, (str, dict)) or (
             isinstance(prompts, Sequence) and len(prompts) > 0 and all(isinstance(t, int) for t in prompts)
@@ -120,16 +124,13 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts")
-        # If one prompt is refused, withdraw the ones already added: nothing half-added keeps running.
-        request_ids = []
-        try:
-            for prompt, params in zip(prompt_list, params_list):
-                request_id = str(self._next_id)
-                self._next_id += 1
-                self.llm_engine.add_request(request_id, prompt, params)
-                request_ids.append(request_id)
-        except ValueError:
-            for request_id in request_ids:
-                self.llm_engine.abort_request(request_id)
-            raise
-        return request_ids
+        if output_kind is not None:
+            params_list = [replace(p, output_kind=output_kind) if isinstance(p, SamplingParams) else p
+                           for p in params_list]
+        requests: list[EngineRequest] = []
+        for prompt, params in zip(prompt_list, params_list):
+            requests.append(self.llm_engine.input_processor.process(str(self._next_id + len(requests)), prompt, params))
+        self._next_id += len(requests)
+        for request in requests:
+            self.llm_engine.add_processed(request)
+        return [request.request_id for request in requests]

@@ -13,7 +13,7 @@ of the largest batch leaves free.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -22,8 +22,11 @@ from ..attention.torch_gather import PagedKVBatch
 from ..config import EngineConfig
 from ..model import CausalLM
 from ..sampling import Sampler
-from .scheduler import ScheduledBatch
-from .sequence import sample_sequences
+from .outputs import Logprobs
+from .scheduler import ScheduledBatch, ScheduledSequence
+from .sequence import Sequence, sample_sequences
+
+_PROMPT_LOGPROB_ROWS = 256  # prompt positions turned into logits at once (each row is vocab-sized)
 
 
 @dataclass
@@ -45,6 +48,17 @@ class StepProfile:
         return {name: getattr(self, name) / total for name in phases}
 
 
+@dataclass
+class ModelRunnerOutput:
+    """What one step computed: a token (and logprobs, if asked) for each sequence that sampled, and
+    the logprobs of prompt tokens for prefill chunks whose request asked for them."""
+
+    sampled: dict[Sequence, int] = field(default_factory=dict)
+    logprobs: dict[Sequence, Logprobs] = field(default_factory=dict)
+    # (sequence, chunk start, logprobs of prompt tokens start + 1, start + 2, ...)
+    prompt_logprobs: list[tuple[Sequence, int, list[Logprobs]]] = field(default_factory=list)
+
+
 class ModelRunner:
     """Turns a ScheduledBatch into model inputs, runs the forward pass over the paged pool and samples."""
 
@@ -56,8 +70,8 @@ class ModelRunner:
         self.profile = profile if profile is not None else StepProfile()
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[int | None], list[dict[int, float] | None]]:
-        """Returns, per scheduled sequence, its sampled token (None for a prefill chunk) and logprobs."""
+    def run(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+        """One forward pass over the batch; samples for every sequence whose chunk reaches its last token."""
         device = self.model.device
         started = time.perf_counter()
         self.kv_cache.copy_blocks(batch.block_copies)  # copy-on-write, before anyone writes this step
@@ -75,15 +89,19 @@ class ModelRunner:
         self.profile.prepare += prepared - started
         hidden = self.model(input_ids, kv, position_ids)  # (1, N, hidden)
 
+        output = ModelRunnerOutput()
+        offsets = [0]
+        for count in counts:
+            offsets.append(offsets[-1] + count)
+        for item, offset in zip(batch.items, offsets):
+            if item.is_prefill and item.seq.params.prompt_logprobs is not None:
+                self._prompt_logprobs(item, token_ids, hidden[0, offset : offset + item.num_new_tokens], output)
         # Only a sequence whose chunk reaches its last known token samples; take that position.
         sampling = [i for i, item in enumerate(batch.items) if item.samples]
-        results: list[int | None] = [None] * len(batch.items)
-        logprobs: list[dict[int, float] | None] = [None] * len(batch.items)
         if not sampling:
             self.profile.forward += time.perf_counter() - prepared
-            return results, logprobs
-        ends = torch.tensor(counts).cumsum(0) - 1  # index of each segment's last token
-        last = ends[sampling].to(device)
+            return output
+        last = torch.tensor([offsets[i + 1] - 1 for i in sampling], device=device)
         logits = self.model.compute_logits(hidden[0, last])  # (R, vocab)
         computed = time.perf_counter()
         self.profile.forward += computed - prepared
@@ -91,21 +109,43 @@ class ModelRunner:
         out = sample_sequences(self.sampler, logits, seqs)
         sampled = out.token_ids.tolist()  # one host-device sync per step
         self.profile.sample += time.perf_counter() - computed
-        for row, i in enumerate(sampling):
-            results[i] = sampled[row]
+        output.sampled = dict(zip(seqs, sampled))
         if out.logprobs is not None:  # some row asked for logprobs: one more copy to the host
             sampled_logprobs = out.logprobs.tolist()
             top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
             top_logprobs = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-            for row, (i, seq) in enumerate(zip(sampling, seqs)):
+            for row, seq in enumerate(seqs):
                 k = seq.params.logprobs
                 if k is None:
                     continue
                 entry = {sampled[row]: sampled_logprobs[row]}
                 if top_ids is not None and top_logprobs is not None:
                     entry.update(zip(top_ids[row][:k], top_logprobs[row][:k]))
-                logprobs[i] = entry
-        return results, logprobs
+                output.logprobs[seq] = entry
+        return output
+
+    def _prompt_logprobs(self, item: ScheduledSequence, token_ids: list[int], hidden: torch.Tensor,
+                         output: ModelRunnerOutput) -> None:
+        """Logprobs of the prompt tokens this chunk predicts (position p predicts token p + 1), in slices
+        of rows so a long chunk never holds (chunk, vocab) logits at once."""
+        seq, k = item.seq, item.seq.params.prompt_logprobs
+        assert k is not None
+        num_rows = min(item.start + item.num_new_tokens, seq.num_prompt_tokens - 1) - item.start
+        targets = torch.tensor(seq.prompt_token_ids[item.start + 1 : item.start + 1 + num_rows],
+                               device=hidden.device)
+        entries: list[Logprobs] = []
+        for begin in range(0, num_rows, _PROMPT_LOGPROB_ROWS):
+            end = min(begin + _PROMPT_LOGPROB_ROWS, num_rows)
+            logprobs = self.model.compute_logits(hidden[begin:end]).float().log_softmax(dim=-1)  # (rows, vocab)
+            chosen = logprobs.gather(1, targets[begin:end, None])[:, 0].tolist()
+            top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+            for row, token in enumerate(targets[begin:end].tolist()):
+                entry = {token: chosen[row]}
+                if top_ids is not None and top_values is not None:
+                    entry.update(zip(top_ids[row].tolist(), top_values[row].tolist()))
+                entries.append(entry)
+        if entries:
+            output.prompt_logprobs.append((seq, item.start, entries))
 
 
 @torch.inference_mode()

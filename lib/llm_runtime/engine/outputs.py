@@ -6,10 +6,16 @@ from dataclasses import dataclass, field
 
 from .sequence import Sequence
 
+# Per position: the chosen token's logprob first, then the top alternatives (token id -> logprob).
+Logprobs = dict[int, float]
+
 
 @dataclass
 class RequestMetrics:
-    """A request's timestamps (time.perf_counter seconds), as in vLLM's RequestMetrics."""
+    """A request's timestamps (time.perf_counter seconds), as in vLLM's RequestMetrics.
+
+    `token_times` (every token's arrival) is filled in a request's final output only.
+    """
 
     arrival_time: float
     first_scheduled_time: float | None
@@ -34,15 +40,20 @@ class RequestMetrics:
 
 @dataclass
 class CompletionOutput:
-    """One of a request's n completions."""
+    """One of a request's n completions.
+
+    With `RequestOutputKind.DELTA`, `text`, `token_ids` and `logprobs` hold only what is new since
+    the previous output; otherwise everything so far. `text_delta` and `token_ids_delta` are always
+    the new part (what a stream sends).
+    """
 
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    logprobs: list[dict[int, float]] | None = None  # per token: its logprob and the top alternatives
-    text_delta: str = ""  # text new since this request's previous output (what a stream sends)
+    logprobs: list[Logprobs] | None = None  # per token: its logprob, then the top alternatives
+    text_delta: str = ""
     token_ids_delta: list[int] = field(default_factory=list)
 
     @property
@@ -60,35 +71,22 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # With SamplingParams.prompt_logprobs: per prompt token (None for the first, which has no context).
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
-def completion_output(seq: Sequence, num_tokens_sent: int) -> CompletionOutput:
-    """A snapshot of `seq`; consumes its pending text delta. Tokens before `num_tokens_sent` were sent before."""
-    delta = seq.take_text_delta()
-    return CompletionOutput(
-        index=seq.index,
-        text=seq.output_text[: seq.num_streamed_chars],
-        token_ids=list(seq.output_token_ids),
-        finish_reason=seq.status.finish_reason,
-        stop_reason=seq.stop_reason,
-        logprobs=None if seq.logprobs is None else list(seq.logprobs),
-        text_delta=delta,
-        token_ids_delta=seq.output_token_ids[num_tokens_sent:],
-    )
-
-
-def request_metrics(sequences: list[Sequence]) -> RequestMetrics:
+def request_metrics(sequences: list[Sequence], with_token_times: bool) -> RequestMetrics:
     """One request's metrics from its sequences (n > 1: first token of any, finish of the last)."""
     times = [seq.times for seq in sequences]
     first_tokens = [t.first_token for t in times if t.first_token is not None]
     scheduled = [t.first_scheduled for t in times if t.first_scheduled is not None]
-    token_times = sorted(x for t in times for x in t.token_times)
+    last_tokens = [t.token_times[-1] for t in times if t.token_times]
     finished = [t.finished for t in times]
     return RequestMetrics(
         arrival_time=times[0].arrival,
         first_scheduled_time=min(scheduled, default=None),
         first_token_time=min(first_tokens, default=None),
-        last_token_time=token_times[-1] if token_times else None,
+        last_token_time=max(last_tokens, default=None),
         finished_time=None if any(f is None for f in finished) else max(f for f in finished if f is not None),
-        token_times=token_times,
+        token_times=sorted(x for t in times for x in t.token_times) if with_token_times else [],
     )

@@ -10,7 +10,8 @@ Iteration-level (continuous) scheduling, first come first served, with memory as
    (admission control). Leading blocks already in the prefix cache are reused, not recomputed.
    A prompt larger than the token budget left is split (chunked prefill) and continues next step.
 After the step, `postprocess` appends the sampled tokens, names the blocks that became full
-(prefix caching), and frees the blocks of finished sequences at once.
+(prefix caching), and frees the blocks of finished sequences at once; `finish` does the same for
+sequences the output processor ended (a stop string) or a failed step took down.
 
 Parallel sampling (n > 1): only the first sequence of a request computes the prompt, up to its
 last token; then the others fork it, sharing every block, and each computes the last prompt token
@@ -40,6 +41,7 @@ class ScheduledSequence:
     start: int
     num_new_tokens: int
     block_table: list[int] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write before it runs
 
     @property
     def samples(self) -> bool:
@@ -53,11 +55,24 @@ class ScheduledSequence:
 
 @dataclass
 class ScheduledBatch:
-    """The work of one step: a ragged batch of prefill chunks and decode tokens, and the block
-    copies (source, destination) to make before it runs (copy-on-write)."""
+    """The work of one step: a ragged batch of prefill chunks and decode tokens."""
 
     items: list[ScheduledSequence] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def block_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) blocks to copy before the step runs (copy-on-write)."""
+        return [copy for item in self.items for copy in item.block_copies]
+
+    @property
+    def request_ids(self) -> list[str]:
+        """The requests in this step, each once, in batch order."""
+        return list(dict.fromkeys(item.seq.request_id for item in self.items))
+
+    def split_by_request(self) -> list["ScheduledBatch"]:
+        """One batch per request (a failed step is retried this way, to find the request at fault)."""
+        return [ScheduledBatch([item for item in self.items if item.seq.request_id == request_id])
+                for request_id in self.request_ids]
 
     @property
     def num_tokens(self) -> int:
@@ -89,10 +104,11 @@ class StepRecord:
 class Scheduler:
     """FCFS continuous batching under a sequence cap, a per-step token budget and a KV block pool.
 
-    Invariants: a sequence is in exactly one of `waiting` (not started, or preempted), `running`
-    (in flight, holding blocks) and `forks` (a sibling waiting for its parent's prompt) until it
-    finishes; only running sequences hold blocks; `running` never holds more than `max_num_seqs`;
-    a step never holds more than `max_num_batched_tokens` tokens.
+    Invariants (`check_invariants` asserts them): a sequence is in exactly one of `waiting` (not
+    started, or preempted), `running` (in flight, holding blocks) and `forks` (a sibling waiting
+    for its parent's prompt) until it finishes; only running sequences hold blocks; running
+    sequences plus the forks their parents will make never exceed `max_num_seqs`; a step never
+    holds more than `max_num_batched_tokens` tokens.
     """
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
@@ -117,6 +133,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def num_reserved_seqs(self) -> int:
+        """Slots taken: running sequences, plus the siblings their running parents will fork."""
+        return len(self.running) + sum(len(children) for parent, children in self.forks.items()
+                                       if parent.status is SequenceStatus.RUNNING)
+
     def _tokens_to_run(self, seq: Sequence) -> int:
         """Tokens the sequence still has to compute before it can sample (or, with forks pending, fork)."""
         return seq.num_uncomputed_tokens - (1 if seq in self.forks else 0)
@@ -140,24 +161,26 @@ class Scheduler:
                     break
             if seq.status is SequenceStatus.WAITING:  # it preempted itself: nothing newer was left
                 break
-            batch.block_copies += blocks.append_slots(seq, end)
-            batch.items.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new, list(blocks.block_tables[seq])))
+            copies = blocks.append_slots(seq, end)
+            batch.items.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new, list(blocks.block_tables[seq]),
+                                                 copies))
             budget -= num_new
             i += 1
         now = time.perf_counter()
         while self.waiting and budget > 0 and not preempted:  # no admissions while memory is short
             seq = self.waiting[0]
-            if len(self.running) + 1 + len(self.forks.get(seq, ())) > self.config.max_num_seqs:
+            if self.num_reserved_seqs() + 1 + len(self.forks.get(seq, ())) > self.config.max_num_seqs:
                 break
             tokens = seq.token_ids(0, seq.num_tokens)  # a preempted sequence recomputes its output too
-            if not blocks.can_allocate(tokens):
+            use_cache = seq.params.prompt_logprobs is None  # prompt logprobs need every prompt token run
+            if not blocks.can_allocate(tokens, use_cache):
                 break  # admission control: wait until its blocks fit
-            to_run = self._tokens_to_run(seq) - blocks.num_cached_tokens(tokens)
+            to_run = self._tokens_to_run(seq) - blocks.num_cached_tokens(tokens, use_cache)
             num_new = min(to_run, budget)
             if num_new < to_run and not self.config.enable_chunked_prefill:
                 break  # the whole prompt must fit in one step; wait for a step with room
             self.waiting.popleft()
-            cached = blocks.allocate(seq, tokens)
+            cached = blocks.allocate(seq, tokens, use_cache)
             self.num_prefix_queried_tokens += len(tokens)
             self.num_prefix_hit_tokens += cached
             seq.num_computed_tokens = cached
@@ -190,49 +213,70 @@ class Scheduler:
             child.times.first_scheduled = parent.times.first_scheduled
             self.running.append(child)
 
-    def postprocess(
-        self,
-        batch: ScheduledBatch,
-        sampled: list[int | None],
-        now: float,
-        logprobs: list[dict[int, float] | None] | None = None,
-    ) -> list[Sequence]:
-        """Record the step's results; return the sequences that finished in it (blocks freed, removed)."""
+    def postprocess(self, batch: ScheduledBatch, sampled: dict[Sequence, int], now: float) -> list[Sequence]:
+        """Record the step's results (`sampled`: the token of each sequence that sampled one); return
+        the sequences that finished by a token rule (blocks freed, removed from running)."""
         finished = []
-        for i, (item, token) in enumerate(zip(batch.items, sampled)):
+        for item in batch.items:
             seq = item.seq
-            if seq.is_finished:  # aborted while the step ran
+            if seq.is_finished:  # aborted while the step ran, or failed in it
                 continue
             seq.num_computed_tokens += item.num_new_tokens
             self._name_full_blocks(seq)
-            if token is not None:
-                seq.append_token(token, now, logprobs[i] if logprobs is not None else None)
+            if seq in sampled:
+                seq.append_token(sampled[seq], now)
             if seq in self.forks and self._tokens_to_run(seq) == 0:
                 self._fork(seq)
             if seq.is_finished:
                 finished.append(seq)
-                self.block_manager.free(seq)
-        if finished:
-            self.running = [seq for seq in self.running if not seq.is_finished]
+        self.finish(finished)
         return finished
 
+    def finish(self, sequences: list[Sequence]) -> None:
+        """Sequences that finished (by any rule) leave: their blocks are freed and their slots taken back."""
+        for seq in sequences:
+            if self.block_manager.has_blocks(seq):
+                self.block_manager.free(seq)
+        if sequences:
+            self.running = [seq for seq in self.running if not seq.is_finished]
+
     def _name_full_blocks(self, seq: Sequence) -> None:
-        """Prefix caching: hash the blocks this step filled, so later requests can find them."""
+        """Prefix caching: name the blocks this step filled, so later requests can find them."""
         blocks = self.block_manager
         if blocks.enable_prefix_caching and \
-                (blocks.num_hashed_blocks(seq) + 1) * blocks.block_size <= seq.num_computed_tokens:
+                (blocks.num_named_blocks(seq) + 1) * blocks.block_size <= seq.num_computed_tokens:
             blocks.mark_computed(seq, seq.token_ids(0, seq.num_computed_tokens), seq.num_computed_tokens)
 
-    def abort(self, request_id: str) -> list[Sequence]:
-        """Finish every sequence of `request_id` as aborted and free its blocks; return them."""
+    def abort(self, request_id: str, status: SequenceStatus = SequenceStatus.FINISHED_ABORTED) -> list[Sequence]:
+        """Finish every sequence of `request_id` with `status` (aborted, or failed) and free its blocks."""
         now = time.perf_counter()
-        aborted = [seq for seq in (*self.waiting, *self.running) if seq.request_id == request_id]
+        ended = [seq for seq in (*self.waiting, *self.running) if seq.request_id == request_id]
         for parent in [p for p in self.forks if p.request_id == request_id]:
-            aborted += self.forks.pop(parent)
-        for seq in aborted:
-            seq.finish(SequenceStatus.FINISHED_ABORTED, now)
+            ended += self.forks.pop(parent)
+        for seq in ended:
+            seq.finish(status, now)
             if self.block_manager.has_blocks(seq):
                 self.block_manager.free(seq)
         self.waiting = deque(seq for seq in self.waiting if seq.request_id != request_id)
         self.running = [seq for seq in self.running if seq.request_id != request_id]
-        return aborted
+        return ended
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless every invariant in the class docstring holds, and the block books balance."""
+        waiting, running = list(self.waiting), list(self.running)
+        children = [child for siblings in self.forks.values() for child in siblings]
+        everyone = waiting + running + children
+        assert len(set(everyone)) == len(everyone), "a sequence is in two places"
+        assert all(seq.status is SequenceStatus.WAITING for seq in waiting + children)
+        assert all(seq.status is SequenceStatus.RUNNING for seq in running)
+        assert all(parent in running or parent in waiting for parent in self.forks), "a fork parent left"
+        assert self.num_reserved_seqs() <= self.config.max_num_seqs, \
+            f"{self.num_reserved_seqs()} sequences hold slots; max_num_seqs is {self.config.max_num_seqs}"
+        blocks = self.block_manager
+        assert all(blocks.has_blocks(seq) for seq in running), "a running sequence has no blocks"
+        assert not any(blocks.has_blocks(seq) for seq in waiting + children), "a waiting sequence holds blocks"
+        assert len(blocks.block_tables) == len(running), "blocks held by a sequence that is not running"
+        for seq in running:
+            table = blocks.block_tables[seq]
+            assert len(table) * blocks.block_size >= seq.num_computed_tokens, "computed tokens with no slot"
+        blocks.check_invariants()

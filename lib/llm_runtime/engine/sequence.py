@@ -1,11 +1,11 @@
 """A request's state: its tokens, its status, why it finished, and when each thing happened.
 
-A sequence moves WAITING -> RUNNING -> FINISHED_* (stopped, length or aborted); the scheduler may
-move it back to WAITING when it runs out of KV memory (preemption: its tokens are kept, its cache is
-recomputed when it runs again). The stop rules live here, applied to each
-new token in `append_token`: EOS unless `ignore_eos`, `stop_token_ids`, `stop` strings matched
-across token boundaries (and cut from the text, as vLLM does), `max_tokens`; none of the first
-three before `min_tokens` tokens exist.
+A sequence moves WAITING -> RUNNING -> FINISHED_* (stopped, length, aborted or error); the
+scheduler may move it back to WAITING when it runs out of KV memory (preemption: its tokens are
+kept, its cache is recomputed when it runs again). The token stop rules live here, applied to each
+new token in `append_token`: EOS unless `ignore_eos`, `stop_token_ids`, `max_tokens`; none of the
+first two before `min_tokens` tokens exist. Stop *strings* need the text, which the output
+processor keeps (`output_processor.py`), as in vLLM.
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention.kv_cache import ContiguousKVCache
 from ..sampling import Sampler, SamplerOutput, SamplingParams
-from .detokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):
@@ -27,6 +25,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
 
     @property
     def is_finished(self) -> bool:
@@ -34,7 +33,8 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """vLLM's names: "stop" (EOS, stop token or string), "length" (max_tokens or context), "abort"."""
+        """vLLM's names: "stop" (EOS, stop token or string), "length" (max_tokens or context), "abort",
+        "error" (a step failed for this request; the engine went on with the others)."""
         return _FINISH_REASONS.get(self)
 
 
@@ -42,6 +42,7 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -57,11 +58,11 @@ class SequenceTimes:
 
 
 class Sequence:
-    """One generated completion: prompt, output so far, status, KV cache and timestamps.
+    """One generated completion: prompt, output so far, status and timestamps.
 
     Invariant: `num_computed_tokens` tokens (a prefix of prompt + output) have their keys and
-    values in a cache: the engine's paged pool (found through the sequence's block table), or
-    `kv_cache` when a lesson drives the sequence by hand. The model runner computes the rest.
+    values in a cache (the engine's paged pool, found through the sequence's block table); the
+    model runner computes the rest.
     """
 
     def __init__(
@@ -72,7 +73,6 @@ class Sequence:
         *,
         max_new_tokens: int,
         eos_token_ids: tuple[int, ...] = (),
-        detokenizer: IncrementalDetokenizer | None = None,
         index: int = 0,
         arrival_time: float | None = None,
         generator: torch.Generator | None = None,
@@ -85,17 +85,11 @@ class Sequence:
         self.max_new_tokens = max_new_tokens
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
         self.stop_token_ids = tuple(params.stop_token_ids)
-        self.detokenizer = detokenizer
         self.generator = generator
         self.status = SequenceStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id or string that ended it
         self.num_computed_tokens = 0
-        self.kv_cache: ContiguousKVCache | None = None
-        self.output_text = ""
-        self.num_streamed_chars = 0
-        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.times = SequenceTimes(arrival=time.perf_counter() if arrival_time is None else arrival_time)
-        self._max_stop_len = max((len(s) for s in params.stop), default=0)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -139,69 +133,30 @@ class Sequence:
         return ()
 
     # ------------------------------------------------------------------ transitions
-    def append_token(self, token_id: int, now: float, logprobs: dict[int, float] | None = None) -> None:
-        """Record a sampled token, extend the text, and finish the sequence if a stop rule fires."""
+    def append_token(self, token_id: int, now: float) -> None:
+        """Record a sampled token and finish the sequence if a token stop rule fires."""
         if self.is_finished:
             raise RuntimeError(f"sequence {self.request_id}/{self.index} is finished; cannot append")
         self.output_token_ids.append(token_id)
-        if self.logprobs is not None and logprobs is not None:
-            self.logprobs.append(logprobs)
         if self.times.first_token is None:
             self.times.first_token = now
         self.times.token_times.append(now)
-        text_before = len(self.output_text)
-        if self.detokenizer is not None:
-            self.output_text += self.detokenizer.add(token_id)
-        self._check_stop(token_id, text_before, now)
-
-    def _check_stop(self, token_id: int, text_before: int, now: float) -> None:
         may_stop = self.num_output_tokens >= self.params.min_tokens
         if may_stop and (token_id in self.eos_token_ids or token_id in self.stop_token_ids):
             if token_id not in self.eos_token_ids:
                 self.stop_reason = token_id
-            if not self.params.include_stop_str_in_output:
-                # As vLLM does, the stopping token's own text is not part of the output.
-                self.output_text = self.output_text[:text_before]
-            self.finish(SequenceStatus.FINISHED_STOPPED, now, flush=self.params.include_stop_str_in_output)
-        elif may_stop and self._max_stop_len and self._find_stop_string(text_before):
-            self.finish(SequenceStatus.FINISHED_STOPPED, now, flush=False)
+            self.finish(SequenceStatus.FINISHED_STOPPED, now)
         elif self.num_output_tokens >= self.max_new_tokens:
             self.finish(SequenceStatus.FINISHED_LENGTH, now)
 
-    def _find_stop_string(self, text_before: int) -> bool:
-        """Look for a stop string that ends in the new text; cut the text there if found."""
-        start = max(0, text_before - self._max_stop_len + 1)  # a match may begin in earlier text
-        matches = [(self.output_text.find(s, start), s) for s in self.params.stop]
-        matches = [(i, s) for i, s in matches if i >= 0]
-        if not matches:
-            return False
-        position, stop = min(matches)
-        end = position + len(stop) if self.params.include_stop_str_in_output else position
-        self.output_text = self.output_text[:end]
-        self.stop_reason = stop
-        return True
-
-    def finish(self, status: SequenceStatus, now: float, flush: bool = True) -> None:
-        """Move to a finished status; release the rest of the text and the KV cache."""
+    def finish(self, status: SequenceStatus, now: float, stop_reason: int | str | None = None) -> None:
+        """Move to a finished status (a stop string found after the length limit still wins, as in vLLM)."""
         if not status.is_finished:
             raise ValueError(f"{status} is not a finished status")
-        if flush and self.detokenizer is not None:
-            self.output_text += self.detokenizer.flush()
         self.status = status
+        if stop_reason is not None:
+            self.stop_reason = stop_reason
         self.times.finished = now
-        self.kv_cache = None
-
-    # ------------------------------------------------------------------ streaming
-    def take_text_delta(self) -> str:
-        """Text produced since the last call; while running, hold back what could start a stop string."""
-        end = len(self.output_text)
-        if not self.is_finished and self._max_stop_len:
-            end -= self._max_stop_len - 1
-        if end <= self.num_streamed_chars:
-            return ""
-        delta = self.output_text[self.num_streamed_chars : end]
-        self.num_streamed_chars = end
-        return delta
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, index={self.index}, {self.status.name}, "

@@ -1,9 +1,12 @@
 """Sampling: `SamplingParams` (what a request asks for) and the batched `Sampler` (how tokens are drawn)."""
 
-from .params import GREEDY_TEMPERATURE, SamplingParams
+from .params import FIELD_BOUNDS, GREEDY_TEMPERATURE, Bounds, RequestOutputKind, SamplingParams
 from .sampler import Sampler, SamplerOutput, apply_min_p, apply_penalties, apply_top_k, apply_top_p
 
 __all__ = [
+    "FIELD_BOUNDS",
+    "Bounds",
+    "RequestOutputKind",
     "GREEDY_TEMPERATURE",
     "Sampler",
     "SamplerOutput",

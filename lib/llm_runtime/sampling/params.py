@@ -1,35 +1,84 @@
-"""`SamplingParams`: how to pick tokens for one request (vLLM's fields and defaults), validated in one place."""
+"""`SamplingParams`: how to pick tokens for one request (vLLM's fields and defaults), validated in one place.
+
+`FIELD_BOUNDS` is the one statement of every numeric field's range: `SamplingParams` checks it, and
+the HTTP server writes the same bounds into its OpenAPI schema. Limits that depend on the engine
+(the vocabulary, the context, `max_logprobs`, `max_num_seqs`) are checked by the input processor.
+"""
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
 import torch
 
+from ..errors import InvalidRequestError
+
 # Temperatures below this are greedy (dividing by ~0 would overflow).
 GREEDY_TEMPERATURE = 1e-5
+# Seeds are 64-bit signed integers, as in vLLM's API (torch generators take any of them).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
-def _check_number(
-    name: str,
-    value: object,
-    *,
-    low: float | None = None,
-    high: float | None = None,
-    low_open: bool = False,
-    integer: bool = False,
-    allowed: str,
-) -> None:
-    """Raise ValueError naming the field and its allowed range unless `value` is a finite number in range."""
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise ValueError(f"{name} must be {'an integer' if integer else 'a number'} {allowed}, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number {allowed}, got {value!r}")
-    too_low = low is not None and (value <= low if low_open else value < low)
-    if too_low or (high is not None and value > high):
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+class RequestOutputKind(enum.Enum):
+    """What each `RequestOutput` of a request carries, as in vLLM.
+
+    CUMULATIVE: everything so far (copies the whole completion every step; the default).
+    DELTA: only what is new since the previous output (constant work per token; for streams).
+    FINAL_ONLY: one output, when the request finishes (for `LLM.generate`, non-streaming HTTP).
+    """
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The allowed range of one numeric field: [low, high], or (low, high] with `low_open`."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    integer: bool = False
+
+    def describe(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return f"<= {self.high:g}" if self.high is not None else "any value"
+
+    def check(self, name: str, value: object, extra: str = "") -> None:
+        """Raise InvalidRequestError naming `name` unless `value` is a finite number in range."""
+        allowed = self.describe() + extra
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            raise InvalidRequestError(
+                name, f"{name} must be {'an integer' if self.integer else 'a number'} {allowed}, got {value!r}")
+        if not math.isfinite(value):
+            raise InvalidRequestError(name, f"{name} must be a finite number {allowed}, got {value!r}")
+        too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        if too_low or (self.high is not None and value > self.high):
+            raise InvalidRequestError(name, f"{name} must be {allowed}, got {value!r}")
+
+
+FIELD_BOUNDS: dict[str, Bounds] = {
+    "n": Bounds(low=1, integer=True),
+    "presence_penalty": Bounds(low=-2.0, high=2.0),
+    "frequency_penalty": Bounds(low=-2.0, high=2.0),
+    "repetition_penalty": Bounds(low=0.0, low_open=True),
+    "temperature": Bounds(low=0.0),
+    "top_p": Bounds(low=0.0, high=1.0, low_open=True),
+    "top_k": Bounds(low=-1, integer=True),  # -1 or 0: no top-k filter
+    "min_p": Bounds(low=0.0, high=1.0),
+    "seed": Bounds(low=SEED_MIN, high=SEED_MAX, integer=True),
+    "max_tokens": Bounds(low=1, integer=True),
+    "min_tokens": Bounds(low=0, integer=True),
+    "logprobs": Bounds(low=0, integer=True),
+    "prompt_logprobs": Bounds(low=0, integer=True),
+}
+_OPTIONAL = ("seed", "max_tokens", "logprobs", "prompt_logprobs")  # None is allowed too
 
 
 @dataclass(frozen=True)
@@ -51,39 +100,34 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: until the model's context is full
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs to return besides the sampled token's
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
-        _check_number("n", self.n, low=1, integer=True, allowed=">= 1")
-        for name in ("presence_penalty", "frequency_penalty"):
-            _check_number(name, getattr(self, name), low=-2.0, high=2.0, allowed="in [-2, 2]")
-        _check_number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True, allowed="> 0")
-        _check_number("temperature", self.temperature, low=0.0, allowed=">= 0")
-        _check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True, allowed="in (0, 1]")
-        _check_number("top_k", self.top_k, low=-1, integer=True, allowed="-1, 0 (disabled) or >= 1")
-        _check_number("min_p", self.min_p, low=0.0, high=1.0, allowed="in [0, 1]")
-        if self.seed is not None:
-            _check_number("seed", self.seed, integer=True, allowed="(or None)")
-        if self.max_tokens is not None:
-            _check_number("max_tokens", self.max_tokens, low=1, integer=True, allowed=">= 1 (or None)")
-        _check_number("min_tokens", self.min_tokens, low=0, integer=True, allowed=">= 0")
+        for name, bounds in FIELD_BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None or name not in _OPTIONAL:
+                bounds.check(name, value, " (or None)" if name in _OPTIONAL else "")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if self.logprobs is not None:
-            _check_number("logprobs", self.logprobs, low=0, integer=True, allowed=">= 0 (or None)")
+            raise InvalidRequestError(
+                "min_tokens", f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+                raise InvalidRequestError(name, f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise InvalidRequestError("output_kind", f"output_kind must be a RequestOutputKind, got "
+                                                     f"{self.output_kind!r}")
         # Normalise stop and stop_token_ids to lists (frozen: set through object.__setattr__).
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is not None and not (isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop)):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise InvalidRequestError("stop", f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         object.__setattr__(self, "stop", list(stop or []))
         ids = self.stop_token_ids
         if ids is not None and not (isinstance(ids, (list, tuple)) and all(
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
-            raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {ids!r}")
+            raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be a list of integers >= 0, got {ids!r}")
         object.__setattr__(self, "stop_token_ids", list(ids or []))
 
     @property
