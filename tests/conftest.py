@@ -142,3 +142,29 @@ def engine_invariants(monkeypatch: pytest.MonkeyPatch) -> None:
         return outputs
 
     monkeypatch.setattr(LLMEngine, "step", checked_step)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory):
+    """(model, tokenizer): a 2-layer random-weight float64 Llama over the bundled model's tokenizer and chat
+    template, for tests that exercise the serving path, not the model (milliseconds per step)."""
+    import shutil
+
+    import transformers
+
+    from llm_runtime import load_model
+    from llm_runtime.model import resolve_model_folder
+
+    bundled = resolve_model_folder(None)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(bundled))
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tiny_chat")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(folder))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (bundled / name).exists():
+            shutil.copy(bundled / name, folder)
+    return load_model(folder, device="cpu", dtype="float64")  # float64: batching cannot flip an argmax

@@ -4,29 +4,45 @@ One background task owns the `LLMEngine`. Between steps it adds the requests tha
 applies the aborts; it runs each `step()` in a worker thread, so the event loop keeps answering
 clients while the model computes; and it hands every output to its request's stream:
 
-    stream = await engine.add_request(prompt, params)   # ValueError at once on bad input
-    async for output in stream:                         # RequestOutput after every step it ran in
+    streams = await engine.add_requests(["Hello"], params)   # InvalidRequestError at once on bad input
+    async for output in streams[0]:                          # a RequestOutput after every step it ran in
         print(output.outputs[0].text_delta, end="")
 
-A client that stops listening calls `stream.cancel()` (the server does it when the connection
-drops): the request is aborted at the next step boundary and its KV blocks are freed. When too
-many requests wait, `add_request` refuses with `EngineBusyError` rather than queueing without bound.
-Only the loop task touches the engine's state; everything else goes through the two lists below.
+Validation and tokenization (the input processor) run on a third thread, so a long prompt does not
+stall the event loop; the busy check comes before them. A request of several prompts is all or
+nothing: if one is refused, none is added. A client that stops listening calls `stream.cancel()`
+(the server does it when the connection drops): the request is aborted at the next step boundary
+and its KV blocks are freed; its id stays taken until then.
+
+Thread safety: only the loop task touches the engine's state, and only while no step runs.
+Handlers read `snapshot`, the engine's stats taken by the loop after each step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
-from ..engine.engine import EngineRequest, LLMEngine, Prompt
+from ..engine.engine import EngineRequest, EngineStats, LLMEngine, Messages, Prompt
 from ..engine.outputs import RequestOutput
+from ..errors import EngineBusyError, EngineDeadError, InvalidRequestError
 from ..sampling import SamplingParams
 
+logger = logging.getLogger(__name__)
 
-class EngineBusyError(RuntimeError):
-    """The waiting queue is full: try again later (HTTP 503)."""
+__all__ = ["AsyncLLMEngine", "EngineBusyError", "EngineDeadError", "EngineSnapshot", "RequestStream"]
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state as the loop saw it after the last step (what handlers may read)."""
+
+    stats: EngineStats
+    num_unfinished_requests: int
 
 
 class RequestStream:
@@ -69,11 +85,14 @@ class AsyncLLMEngine:
         self.max_waiting_requests = max_waiting_requests
         self._new: list[EngineRequest] = []  # validated, not yet in the engine
         self._aborts: set[str] = set()
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[str, RequestStream] = {}  # every id in use: live, queued, or being aborted
         self._ids = itertools.count()
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._step_executor: ThreadPoolExecutor | None = None
+        self._input_executor: ThreadPoolExecutor | None = None
+        self._num_processing = 0  # requests being validated on the input thread
+        self.snapshot = self._take_snapshot()
         self.error: BaseException | None = None  # what stopped the loop, if anything did
         self.num_aborted = 0  # requests stopped before they finished (cancelled streams)
 
@@ -82,7 +101,9 @@ class AsyncLLMEngine:
         if self._task is not None:
             raise RuntimeError("the engine loop is already running")
         self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-runtime-step")
+        self._step_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-runtime-step")
+        # One thread: the tokenizer is not safe to share between threads that encode at once.
+        self._input_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-runtime-input")
         self._task = asyncio.create_task(self._run(), name="llm-runtime-engine-loop")
 
     async def stop(self) -> None:
@@ -94,12 +115,13 @@ class AsyncLLMEngine:
             await self._task
         except asyncio.CancelledError:
             pass
+        except Exception:  # the loop already died; its error is in self.error
+            pass
         self._task = None
-        assert self._executor is not None
-        self._executor.shutdown(wait=True)
-        for stream in self._streams.values():
-            stream._queue.put_nowait(RuntimeError("the engine stopped"))
-        self._streams.clear()
+        for executor in (self._step_executor, self._input_executor):
+            assert executor is not None
+            executor.shutdown(wait=True)
+        self._fail_streams(EngineDeadError("the engine stopped"))
 
     @property
     def is_running(self) -> bool:
@@ -107,44 +129,99 @@ class AsyncLLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._new) + self.engine.stats().num_waiting
+        """Requests not yet running: being validated, queued here, or waiting in the engine at the last step."""
+        return self._num_processing + len(self._new) + self.snapshot.stats.num_waiting
 
     # ------------------------------------------------------------------ requests
     async def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                           request_id: str | None = None) -> RequestStream:
-        """Validate now (ValueError), refuse when busy (EngineBusyError), else queue for the next step."""
-        if not self.is_running:
-            raise RuntimeError("the engine loop is not running" + (f": {self.error!r}" if self.error else ""))
-        request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        request = self.engine.prepare_request(request_id, prompt, params)
-        if self.num_waiting >= self.max_waiting_requests:
-            raise EngineBusyError(f"server busy: {self.num_waiting} requests are already waiting; retry later")
-        stream = RequestStream(request_id, self)
-        self._streams[request_id] = stream
-        self._new.append(request)
+        """One prompt; see `add_requests`."""
+        return (await self.add_requests([prompt], params, request_ids=None if request_id is None else [request_id]))[0]
+
+    async def add_requests(self, prompts: Sequence[Prompt], params: SamplingParams | None = None, *,
+                           request_ids: Sequence[str] | None = None) -> list[RequestStream]:
+        """Validate every prompt off the event loop, then queue them all for the next step, or none.
+
+        Raises EngineDeadError or EngineBusyError (before any tokenization), InvalidRequestError.
+        """
+        processor = self.engine.input_processor
+        return await self._add(len(prompts), request_ids, lambda ids: [
+            processor.process(request_id, prompt, params) for request_id, prompt in zip(ids, prompts)])
+
+    async def add_chat(self, messages: Messages, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> RequestStream:
+        """One conversation, rendered with the chat template off the event loop."""
+        processor = self.engine.input_processor
+        return (await self._add(1, None if request_id is None else [request_id],
+                                lambda ids: [processor.process_chat(ids[0], messages, params)]))[0]
+
+    async def _add(self, count: int, request_ids: Sequence[str] | None,
+                   process: Callable[[list[str]], list[EngineRequest]]) -> list[RequestStream]:
+        streams = self._reserve(count, request_ids)
+        ids = [stream.request_id for stream in streams]
+        self._num_processing += count
+        try:
+            requests = await asyncio.get_running_loop().run_in_executor(self._input_executor, process, ids)
+            if not self.is_running:
+                raise EngineDeadError("the engine loop stopped" + (f": {self.error!r}" if self.error else ""))
+        except BaseException:
+            for request_id in ids:
+                self._streams.pop(request_id, None)
+                self._aborts.discard(request_id)
+            raise
+        finally:
+            self._num_processing -= count
+        # A client that left while its prompt was being validated already cancelled its stream.
+        self._new += [request for request, stream in zip(requests, streams) if not stream.finished]
         assert self._wakeup is not None
         self._wakeup.set()
-        return stream
+        return streams
+
+    def _reserve(self, count: int, request_ids: Sequence[str] | None) -> list[RequestStream]:
+        """Checks that cost nothing come first (the loop is alive, the queue has room, the ids are
+        free); then the ids are taken, until the request finishes or its abort is applied."""
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running" + (f": {self.error!r}" if self.error else ""))
+        if self.num_waiting + count > self.max_waiting_requests:
+            raise EngineBusyError(f"server busy: {self.num_waiting} requests are already waiting; retry later")
+        ids = [f"req-{next(self._ids)}" for _ in range(count)] if request_ids is None else list(request_ids)
+        for i, request_id in enumerate(ids):
+            if not isinstance(request_id, str) or not request_id:
+                raise InvalidRequestError("request_id", f"request_id must be a non-empty string, got {request_id!r}")
+            if request_id in self._streams or request_id in ids[:i]:
+                raise InvalidRequestError("request_id", f"request id {request_id!r} is already in use")
+        streams = [RequestStream(request_id, self) for request_id in ids]
+        for stream in streams:
+            self._streams[stream.request_id] = stream
+        return streams
 
     def abort(self, request_id: str) -> None:
-        self._aborts.add(request_id)
-        self._streams.pop(request_id, None)
-        if self._wakeup is not None:
-            self._wakeup.set()
+        """Stop a request at the next step boundary; its id stays taken until then."""
+        if request_id in self._streams:
+            self._aborts.add(request_id)
+            if self._wakeup is not None:
+                self._wakeup.set()
 
     # ------------------------------------------------------------------ the loop
     def _apply_pending(self) -> None:
-        """Between steps: new requests join, aborted ones leave (their blocks are freed)."""
+        """Between steps: aborted requests leave (their blocks are freed, their ids free), new ones join."""
         aborts, self._aborts = self._aborts, set()
         new, self._new = [r for r in self._new if r.request_id not in aborts], []
         for request_id in aborts:
             if request_id in self.engine.requests:
                 self.engine.abort_request(request_id)
-                self.num_aborted += 1
+            self._streams.pop(request_id, None)
+            self.num_aborted += 1
         for request in new:
-            self.engine.add_prepared(request)
+            self.engine.add_processed(request)
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot(self.engine.stats(), self.engine.num_unfinished_requests())
+
+    def _fail_streams(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream._queue.put_nowait(error)
+        self._streams.clear()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -152,24 +229,25 @@ class AsyncLLMEngine:
         try:
             while True:
                 self._apply_pending()
+                self.snapshot = self._take_snapshot()
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.clear()
                     if not self._new and not self._aborts:
                         await self._wakeup.wait()
                     continue
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                outputs = await loop.run_in_executor(self._step_executor, self.engine.step)
+                self.snapshot = self._take_snapshot()
                 for output in outputs:
                     stream = self._streams.get(output.request_id)
-                    if stream is not None:
+                    if stream is not None and output.request_id not in self._aborts:
                         stream._queue.put_nowait(output)
                         if output.finished:
                             del self._streams[output.request_id]
                 await asyncio.sleep(0)  # let the handlers that were just fed run before the next step
         except asyncio.CancelledError:
             raise
-        except BaseException as error:  # a bug or an out-of-memory: fail every client, loudly
+        except BaseException as error:  # a bug outside any one request: fail every client, loudly
+            logger.exception("the engine loop stopped")
             self.error = error
-            for stream in self._streams.values():
-                stream._queue.put_nowait(error)
-            self._streams.clear()
+            self._fail_streams(EngineDeadError(f"the engine loop stopped: {error!r}"))
             raise

@@ -5,108 +5,62 @@
          -d '{"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 8}'
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (the tokenizer's
-chat template), `GET /health`, `GET /metrics` (Prometheus text). Responses carry OpenAI's fields,
-`usage` included; `stream: true` sends server-sent events ending with `data: [DONE]`. Errors are
-OpenAI's JSON error object: 400 for invalid parameters (the message names the field), 404 for an
-unknown model, 503 when the queue is full. A dropped streaming connection aborts its request.
+chat template; content a string or a list of text parts), `GET /health`, `GET /metrics`
+(Prometheus). Responses carry OpenAI's fields, `usage` and `logprobs` included; `stream: true`
+sends one server-sent event per generated token (even when its text is still incomplete), ending
+with `data: [DONE]`. Every failure is OpenAI's JSON error object: 400 for an invalid request (its
+`param` names the field), 404 for an unknown model or route, 413 for a body over the limit, 500 when
+the engine failed this request (mid-stream: an `error` event before `[DONE]`), 503 when the queue is
+full or the engine loop stopped. A client that hangs up, streaming or not, has its request aborted.
+The OpenAPI schema (`/openapi.json`) documents exactly this, with the engine's limits as bounds.
 """
 
-from __future__ import annotations
 
+import asyncio
+import functools
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..engine.engine import LLMEngine
-from ..engine.outputs import RequestOutput
-from ..model.tokenizer import encode_chat
+from ..engine.outputs import CompletionOutput, Logprobs, RequestOutput
+from ..errors import EngineBusyError, EngineDeadError, InvalidRequestError
 from ..sampling import SamplingParams
-from .async_engine import AsyncLLMEngine, EngineBusyError, RequestStream
+from . import protocol
+from .async_engine import AsyncLLMEngine, RequestStream
+from .metrics import ServerMetrics
 
+logger = logging.getLogger(__name__)
 
-# ------------------------------------------------------------------------------------ request bodies
-class _SamplingFields(BaseModel):
-    """OpenAI's sampling fields and vLLM's extra ones; unknown fields are refused by name."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    user: str | None = None
-    # vLLM's extensions, passed straight to SamplingParams
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, seed=self.seed,
-            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, max_tokens=max_tokens,
-            min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
-
-    @property
-    def include_usage_in_stream(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None
-    echo: Literal[False] = False
-    suffix: None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+DEFAULT_MAX_REQUEST_BYTES = 2 * 2**20  # 2 MiB: hundreds of full-context prompts, not a denial of service
 
 
 # ------------------------------------------------------------------------------------------ errors
 class APIError(Exception):
+    """An error answered as OpenAI's error object with this status."""
+
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.status, self.headers = status, headers
+        self.info = protocol.ErrorInfo(message=message, type=kind, param=param, code=code)
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(protocol.ErrorResponse(error=self.info).model_dump(), status_code=self.status,
+                            headers=self.headers)
 
 
 def _validation_error(error: RequestValidationError) -> APIError:
@@ -118,81 +72,97 @@ def _validation_error(error: RequestValidationError) -> APIError:
     return APIError(400, f"{field}: {first.get('msg')}", param=location[0] if location else None)
 
 
-# ----------------------------------------------------------------------------------------- metrics
-class Histogram:
-    """A Prometheus histogram: cumulative bucket counts, sum and count."""
-
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * len(buckets)
-        self.total = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-        self.total += value
-        self.count += 1
-
-    def render(self, name: str, help_text: str) -> list[str]:
-        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        lines += [f'{name}_bucket{{le="{bound}"}} {count}' for bound, count in zip(self.buckets, self.counts)]
-        lines += [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.total}", f"{name}_count {self.count}"]
-        return lines
+def _engine_failed(request_id: str) -> APIError:
+    return APIError(500, f"the engine failed while running request {request_id}; other requests are unaffected "
+                         f"(see the server log)", kind="server_error")
 
 
-class ServerMetrics:
-    """Counters the server keeps beside the engine's own stats."""
+class BodyLimit:
+    """ASGI middleware: a body over `limit` bytes gets 413 before the app reads any of it."""
 
-    def __init__(self) -> None:
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.finished_requests = 0
-        self.ttft = Histogram((0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
-        self.itl = Histogram((0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
 
-    def record(self, output: RequestOutput) -> None:
-        self.finished_requests += 1
-        self.prompt_tokens += len(output.prompt_token_ids)
-        self.generation_tokens += sum(len(c.token_ids) for c in output.outputs)
-        metrics = output.metrics
-        if metrics is not None and metrics.first_token_time is not None:
-            self.ttft.observe(metrics.first_token_time - metrics.arrival_time)
-            for a, b in zip(metrics.token_times, metrics.token_times[1:]):
-                self.itl.observe(b - a)
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = APIError(413, f"the request body is over the server's limit of {self.limit} bytes")
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await too_large.response()(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # the client left before sending the whole body
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await too_large.response()(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        replayed = False
 
-    def render(self, engine: AsyncLLMEngine) -> str:
-        stats = engine.engine.stats()
-        gauges = [
-            ("llm_runtime_num_requests_running", "sequences running", stats.num_running),
-            ("llm_runtime_num_requests_waiting", "sequences waiting", engine.num_waiting),
-            ("llm_runtime_kv_blocks_used", "KV blocks in use", stats.num_used_blocks),
-            ("llm_runtime_kv_blocks_total", "KV blocks in the pool", stats.num_total_blocks),
-            ("llm_runtime_prefix_cache_hit_rate", "prompt tokens found in the prefix cache / looked up",
-             stats.prefix_cache_hit_rate),
-        ]
-        counters = [
-            ("llm_runtime_prompt_tokens_total", "prompt tokens of finished requests", self.prompt_tokens),
-            ("llm_runtime_generation_tokens_total", "tokens generated by finished requests", self.generation_tokens),
-            ("llm_runtime_requests_finished_total", "requests finished", self.finished_requests),
-            ("llm_runtime_requests_aborted_total", "requests cancelled before they finished", engine.num_aborted),
-            ("llm_runtime_preemptions_total", "sequences preempted", stats.num_preemptions),
-        ]
-        lines = []
-        for kind, rows in (("gauge", gauges), ("counter", counters)):
-            for name, help_text, value in rows:
-                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
-        lines += self.ttft.render("llm_runtime_time_to_first_token_seconds", "time to first token")
-        lines += self.itl.render("llm_runtime_inter_token_latency_seconds", "time between consecutive tokens")
-        return "\n".join(lines) + "\n"
+        async def replay() -> Message:  # the whole body once, then the client's own messages (disconnect)
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
 
 
-# --------------------------------------------------------------------------------------------- app
-def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 256) -> FastAPI:
+# ------------------------------------------------------------------------------------------ the schema
+_ERROR_STATUSES = {400: "invalid request (`param` names the field)", 404: "unknown model", 413: "body too large",
+                   500: "the engine failed this request", 503: "queue full, or the engine loop stopped"}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": protocol.ErrorResponse, "description": text} for status, text in _ERROR_STATUSES.items()}
+
+
+def _sse_doc(chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """The 200 response of a route that streams `chunk`s as server-sent events when `stream` is true."""
+    json_data = {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [
+        {"$ref": f"#/components/schemas/{chunk.__name__}"}, {"$ref": "#/components/schemas/ErrorResponse"}]}}
+    event = {"type": "object", "required": ["data"], "properties": {
+        "data": {"anyOf": [json_data, {"type": "string", "const": "[DONE]"}],
+                 "description": f"a {chunk.__name__} as JSON (an error object if the request failed), then [DONE]"},
+        "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer", "minimum": 0}}}
+    return {200: {"description": f"the response; with `stream: true`, server-sent events of {chunk.__name__}",
+                  "content": {"text/event-stream": {"schema": event}}}}
+
+
+def _openapi(app: FastAPI, request_models: tuple[type[BaseModel], ...]) -> dict[str, Any]:
+    """FastAPI's schema, made to tell the truth: validation errors are 400 (never 422), the streamed
+    chunk models are components, and request bodies are their models' own JSON schema (FastAPI's
+    OpenAPI model turns integer bounds into floats: 2**63 - 1 would become 2**63)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes, description=app.description)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        for model in (*request_models, protocol.CompletionChunk, protocol.ChatCompletionChunk):
+            definition = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(definition.pop("$defs", {}))
+            components[model.__name__] = definition
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+# ------------------------------------------------------------------------------------------ the app
+def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 256,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI app; the engine loop starts and stops with it."""
     async_engine = AsyncLLMEngine(engine, max_waiting_requests)
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(async_engine)
+    config = engine.config
+    limits = protocol.EngineLimits(engine.model.config.vocab_size, engine.max_model_len, config.max_num_seqs,
+                                   config.max_logprobs, config.max_num_stop_strings, config.max_stop_string_len)
+    CompletionRequest, ChatCompletionRequest = protocol.bounded_request_models(limits)
+    formatter = _Formatter(engine, model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -202,7 +172,10 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
         finally:
             await async_engine.stop()
 
-    app = FastAPI(title="llm_runtime", lifespan=lifespan)
+    app = FastAPI(title="llm_runtime", version="0.1.0", lifespan=lifespan,
+                  description="An OpenAI-compatible server for one model (see the llm_runtime course).")
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
+    app.openapi = functools.partial(_openapi, app, (CompletionRequest, ChatCompletionRequest))  # type: ignore[method-assign]
     app.state.async_engine = async_engine
 
     @app.exception_handler(APIError)
@@ -213,156 +186,294 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         return _validation_error(error).response()
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return APIError(error.status_code, str(error.detail), kind=kind, headers=error.headers).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        logger.exception("unexpected error answering %s", request.url.path)
+        return APIError(500, f"internal server error: {type(error).__name__}", kind="server_error").response()
+
+    @app.get("/health", response_model=protocol.Health, responses={503: _ERRORS[503]})
+    async def health() -> protocol.Health:
         if not async_engine.is_running:
             raise APIError(503, f"the engine loop stopped: {async_engine.error!r}", kind="server_error")
-        return JSONResponse({"status": "ok"})
+        return protocol.Health(status="ok")
 
-    @app.get("/metrics")
-    async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(async_engine), media_type="text/plain; version=0.0.4")
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": 0, "owned_by": "llm_runtime",
-             "max_model_len": engine.max_model_len}]})
+    @app.get("/v1/models", response_model=protocol.ModelList)
+    async def models() -> protocol.ModelList:
+        return protocol.ModelList(data=[protocol.ModelCard(id=model_name, max_model_len=engine.max_model_len)])
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{model_name}`",
                            param="model", code="model_not_found")
 
-    async def start(prompt: str | list[int], params: SamplingParams) -> RequestStream:
+    async def start(add: Callable[[], Awaitable[list[RequestStream]]], field_names: dict[str, str]
+                    ) -> list[RequestStream]:
         try:
-            return await async_engine.add_request(prompt, params)
+            return await add()
         except EngineBusyError as error:
             raise APIError(503, str(error), kind="server_busy") from error
-        except ValueError as error:
-            raise APIError(400, str(error)) from error
+        except EngineDeadError as error:
+            raise APIError(503, str(error), kind="server_error") from error
+        except InvalidRequestError as error:
+            raise APIError(400, str(error), param=field_names.get(error.param or "", error.param)) from error
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Any:
+    def sampling_params(body: protocol._SamplingFields, field_names: dict[str, str], **kwargs: Any) -> SamplingParams:
+        try:
+            return body.sampling_params(**kwargs)
+        except InvalidRequestError as error:
+            raise APIError(400, str(error), param=field_names.get(error.param or "", error.param)) from error
+
+    @app.post("/v1/completions", response_model=protocol.CompletionResponse,
+              responses={**_sse_doc(protocol.CompletionChunk), **_ERRORS})
+    async def completions(body: CompletionRequest, request: Request) -> Any:  # type: ignore[valid-type]
+        # (this module has no `from __future__ import annotations`: FastAPI must see the classes made above)
         check_model(body.model)
         prompts: list[str | list[int]]
         if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
-            prompts = [body.prompt]  # type: ignore[list-item]
+            prompts = [body.prompt]
         else:
-            prompts = list(body.prompt)  # type: ignore[arg-type]
+            prompts = list(body.prompt)
         if not prompts:
             raise APIError(400, "prompt: give at least one prompt", param="prompt")
-        params = _params(body, body.max_tokens, body.logprobs)
-        streams = [await start(p, params) for p in prompts]
-        response = _Response("cmpl", "text_completion", model_name, body.n, chat=False)
-        if body.stream:
-            return _sse(response.stream(streams, metrics, body.include_usage_in_stream))
-        return JSONResponse(await response.collect(streams, metrics))
+        params = sampling_params(body, {}, max_tokens=body.max_tokens, logprobs=body.logprobs,
+                                 prompt_logprobs=body.prompt_logprobs)
+        streams = await start(lambda: async_engine.add_requests(prompts, params), {})
+        return await respond(streams, body, request, chat=False, num_top=body.logprobs or 0)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
+    chat_fields = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens", "prompt": "messages"}
+
+    @app.post("/v1/chat/completions", response_model=protocol.ChatCompletionResponse,
+              responses={**_sse_doc(protocol.ChatCompletionChunk), **_ERRORS})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:  # type: ignore[valid-type]
         check_model(body.model)
-        if engine.tokenizer is None:
-            raise APIError(400, "this server's model has no tokenizer for chat")
-        try:
-            prompt = encode_chat(engine.tokenizer, [m.model_dump() for m in body.messages])
-        except ValueError as error:
-            raise APIError(400, str(error), param="messages") from error
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        streams = [await start({"prompt_token_ids": prompt}, _params(body, max_tokens, logprobs))]  # type: ignore[arg-type]
-        response = _Response("chatcmpl", "chat.completion", model_name, body.n, chat=True)
+        params = sampling_params(body, chat_fields, max_tokens=max_tokens, logprobs=logprobs)
+        messages = [message.model_dump() for message in body.messages]
+        streams = await start(lambda: _as_list(async_engine.add_chat(messages, params)), chat_fields)
+        return await respond(streams, body, request, chat=True, num_top=body.top_logprobs or 0)
+
+    async def respond(streams: list[RequestStream], body: protocol._SamplingFields, request: Request,
+                      chat: bool, num_top: int) -> Any:
+        response = _Response(formatter, body.n, chat, num_top)
         if body.stream:
-            return _sse(response.stream(streams, metrics, body.include_usage_in_stream))
-        return JSONResponse(await response.collect(streams, metrics))
+            return StreamingResponse(_sse(response.stream(streams, metrics, body.include_usage_in_stream)),
+                                     media_type="text/event-stream")
+        finals = await _until_done_or_gone(response.collect(streams, metrics), request, streams)
+        if finals is None:
+            return Response(status_code=499)  # nobody is listening; the requests were aborted
+        return JSONResponse(finals)
 
     return app
 
 
-def _params(body: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+async def _as_list(stream: Awaitable[RequestStream]) -> list[RequestStream]:
+    return [await stream]
+
+
+async def _until_done_or_gone(work: Awaitable[dict], request: Request, streams: list[RequestStream]) -> dict | None:
+    """The response, or None if the client hung up first (its requests are aborted then)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    working, watching = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
     try:
-        return body.sampling_params(max_tokens, logprobs)
-    except ValueError as error:
-        first_word = str(error).split(" ", 1)[0]  # SamplingParams' messages start with the field's name
-        raise APIError(400, str(error), param=first_word if first_word in type(body).model_fields else None) from error
+        await asyncio.wait({working, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not working.done():
+            working.cancel()
+            for stream in streams:
+                stream.cancel()
+    return working.result() if not working.cancelled() else None
 
 
-def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+def _sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """Server-sent events; a failure mid-stream becomes an error event, and [DONE] always ends it."""
+
     async def encode() -> AsyncIterator[str]:
-        async for event in events:
-            yield f"data: {json.dumps(event)}\n\n"
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event)}\n\n"
+        except APIError as error:
+            yield f"data: {json.dumps(protocol.ErrorResponse(error=error.info).model_dump())}\n\n"
+        except Exception as error:
+            logger.exception("a stream failed")
+            info = protocol.ErrorInfo(message=f"internal server error: {type(error).__name__}", type="server_error")
+            yield f"data: {json.dumps(protocol.ErrorResponse(error=info).model_dump())}\n\n"
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(encode(), media_type="text/event-stream")
+    return encode()
+
+
+# ------------------------------------------------------------------------------------------ responses
+class _Formatter:
+    """What every response of this server shares: the tokenizer (for logprob tokens) and the model name."""
+
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.model_name = model_name
+        tokenizer = engine.tokenizer
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(
+            (lambda token_id: tokenizer.decode([token_id])) if tokenizer is not None else str)
 
 
 class _Response:
-    """Builds OpenAI's completion / chat completion objects from the engine's outputs."""
+    """Builds one request's OpenAI completion or chat completion objects from the engine's outputs."""
 
-    def __init__(self, prefix: str, kind: str, model: str, n: int, chat: bool) -> None:
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
-        self.kind, self.model, self.n, self.chat = kind, model, n, chat
+    def __init__(self, formatter: _Formatter, n: int, chat: bool, num_top: int) -> None:
+        self.formatter, self.n, self.chat, self.num_top = formatter, n, chat, num_top
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
-    def _envelope(self, kind: str, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+    # ---------------------------------------------------------------- logprobs in OpenAI's two shapes
+    def _completion_logprobs(self, entries: list[Logprobs] | None, token_ids: list[int], k: int, offset: int
+                             ) -> tuple[protocol.CompletionLogprobs | None, int]:
+        if entries is None:
+            return None, offset
+        text = self.formatter.token_text
+        tokens = [text(t) for t in token_ids]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return protocol.CompletionLogprobs(
+            tokens=tokens, token_logprobs=[entry[t] for entry, t in zip(entries, token_ids)],
+            top_logprobs=[{text(t): lp for t, lp in _top(entry, k)} for entry in entries], text_offset=offsets), offset
 
-    def _choice(self, index: int, text: str, finish_reason: str | None, delta: bool) -> dict:
-        if not self.chat:
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        content = {"content": text} if delta else {"role": "assistant", "content": text}
-        return {"index": index, "delta" if delta else "message": content, "logprobs": None,
-                "finish_reason": finish_reason}
+    def _chat_logprobs(self, entries: list[Logprobs] | None, token_ids: list[int], k: int
+                       ) -> protocol.ChatLogprobs | None:
+        if entries is None:
+            return None
+        text = self.formatter.token_text
 
+        def top(token_id: int, logprob: float) -> protocol.TopLogprob:
+            token = text(token_id)
+            return protocol.TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+
+        return protocol.ChatLogprobs(content=[
+            protocol.TokenLogprob(**top(t, entry[t]).model_dump(), top_logprobs=[top(i, lp) for i, lp in _top(entry, k)])
+            for entry, t in zip(entries, token_ids)])
+
+    # ---------------------------------------------------------------- whole responses
     @staticmethod
-    def _usage(finals: list[RequestOutput]) -> dict:
-        prompt = sum(len(o.prompt_token_ids) for o in finals)
-        completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    def _usage(prompt_tokens: int, completion_tokens: int) -> protocol.Usage:
+        return protocol.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                              total_tokens=prompt_tokens + completion_tokens)
 
     async def collect(self, streams: list[RequestStream], metrics: ServerMetrics) -> dict:
-        finals = []
+        """Every prompt's final output as one completion object; 500 if the engine failed any of them."""
+        finals: list[RequestOutput] = []
         try:
             for stream in streams:
                 final = None
                 async for output in stream:
                     final = output
                 assert final is not None
-                metrics.record(final)
+                if any(c.finish_reason == "error" for c in final.outputs):
+                    raise _engine_failed(final.request_id)
+                metrics.record(final, sum(len(c.token_ids) for c in final.outputs))
                 finals.append(final)
+        except APIError:
+            raise
+        except Exception as error:  # the engine loop died under this request
+            raise APIError(500, f"the engine failed: {error}", kind="server_error") from error
         finally:
             for stream in streams:
                 stream.cancel()
-        choices = [self._choice(p * self.n + c.index, c.text, c.finish_reason, delta=False)
-                   for p, final in enumerate(finals) for c in final.outputs]
-        return {**self._envelope(self.kind, choices), "usage": self._usage(finals)}
+        prompt_tokens = sum(len(f.prompt_token_ids) for f in finals)
+        usage = self._usage(prompt_tokens, sum(len(c.token_ids) for f in finals for c in f.outputs))
+        choices = [self._choice(p * self.n + c.index, c, final) for p, final in enumerate(finals) for c in final.outputs]
+        if self.chat:
+            return protocol.ChatCompletionResponse(id=self.id, created=self.created, model=self.formatter.model_name,
+                                                   choices=choices, usage=usage).model_dump(mode="json")
+        return protocol.CompletionResponse(id=self.id, created=self.created, model=self.formatter.model_name,
+                                           choices=choices, usage=usage).model_dump(mode="json")
 
-    async def stream(self, streams: list[RequestStream], metrics: ServerMetrics,
-                     include_usage: bool) -> AsyncIterator[dict]:
-        kind = f"{self.kind}.chunk" if self.chat else self.kind
-        finals = []
+    def _choice(self, index: int, c: CompletionOutput, final: RequestOutput) -> Any:
+        k = self.num_top
+        if self.chat:
+            return protocol.ChatChoice(index=index, message=protocol.ChatResponseMessage(content=c.text),
+                                       logprobs=self._chat_logprobs(c.logprobs, c.token_ids, k),
+                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        prompt_logprobs = None
+        if final.prompt_logprobs is not None:
+            text = self.formatter.token_text
+            prompt_logprobs = [None if e is None else {text(t): lp for t, lp in e.items()} for e in final.prompt_logprobs]
+        return protocol.CompletionChoice(index=index, text=c.text,
+                                         logprobs=self._completion_logprobs(c.logprobs, c.token_ids, k, 0)[0],
+                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                         prompt_logprobs=prompt_logprobs)
+
+    async def stream(self, streams: list[RequestStream], metrics: ServerMetrics, include_usage: bool
+                     ) -> AsyncIterator[dict]:
+        """One chunk per generated token of each completion, then (if asked) one with the usage."""
+        model, counts = self.formatter.model_name, {}
+        offsets: dict[int, int] = {}
+        prompt_tokens = 0
         try:
             if self.chat:  # OpenAI's first chat chunk carries the role
-                yield self._envelope(kind, [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None} for i in range(self.n)])
+                yield protocol.ChatCompletionChunk(id=self.id, created=self.created, model=model, choices=[
+                    protocol.ChatChunkChoice(index=i, delta=protocol.ChatDelta(role="assistant", content=""))
+                    for i in range(self.n)]).model_dump(mode="json")
             for p, stream in enumerate(streams):
-                async for output in stream:
-                    choices = [self._choice(p * self.n + c.index, c.text_delta, c.finish_reason, delta=True)
-                               for c in output.outputs if c.text_delta or c.finish_reason]
-                    if choices:
-                        yield self._envelope(kind, choices)
-                    if output.finished:
-                        metrics.record(output)
-                        finals.append(output)
+                try:
+                    async for output in stream:
+                        for c in output.outputs:
+                            if c.finish_reason == "error":
+                                raise _engine_failed(output.request_id)
+                            index = p * self.n + c.index
+                            counts[index] = counts.get(index, 0) + len(c.token_ids)
+                            yield self._chunk(index, c, offsets)
+                        if output.finished:
+                            prompt_tokens += len(output.prompt_token_ids)
+                            metrics.record(output, sum(counts.get(p * self.n + i, 0) for i in range(self.n)))
+                except (APIError, asyncio.CancelledError):
+                    raise
+                except Exception as error:  # the engine loop died under this request
+                    raise APIError(500, f"the engine failed: {error}", kind="server_error") from error
             if include_usage:
-                yield {**self._envelope(kind, []), "usage": self._usage(finals)}
+                usage = self._usage(prompt_tokens, sum(counts.values()))
+                chunk = protocol.ChatCompletionChunk if self.chat else protocol.CompletionChunk
+                yield chunk(id=self.id, created=self.created, model=model, choices=[], usage=usage).model_dump(mode="json")
         finally:  # the client went away (or we are done): stop whatever still runs
             for stream in streams:
                 stream.cancel()
 
+    def _chunk(self, index: int, c: CompletionOutput, offsets: dict[int, int]) -> dict:
+        model, k = self.formatter.model_name, self.num_top
+        if self.chat:
+            choice = protocol.ChatChunkChoice(index=index, delta=protocol.ChatDelta(content=c.text),
+                                              logprobs=self._chat_logprobs(c.logprobs, c.token_ids, k),
+                                              finish_reason=c.finish_reason)
+            return protocol.ChatCompletionChunk(id=self.id, created=self.created, model=model,
+                                                choices=[choice]).model_dump(mode="json")
+        logprobs, offsets[index] = self._completion_logprobs(c.logprobs, c.token_ids, k, offsets.get(index, 0))
+        choice = protocol.CompletionChoice(index=index, text=c.text, logprobs=logprobs, finish_reason=c.finish_reason,
+                                           stop_reason=c.stop_reason)
+        return protocol.CompletionChunk(id=self.id, created=self.created, model=model,
+                                        choices=[choice]).model_dump(mode="json")
+
+
+def _top(entry: Logprobs, k: int) -> list[tuple[int, float]]:
+    """The k most likely tokens of a position (the chosen token counts only if it is among them)."""
+    return sorted(entry.items(), key=lambda item: -item[1])[:k]
+
 
 def serve(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          max_waiting_requests: int = 256) -> None:
+          max_waiting_requests: int = 256, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(engine, model_name, max_waiting_requests), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(engine, model_name, max_waiting_requests, max_request_bytes), host=host, port=port,
+                log_level="info")

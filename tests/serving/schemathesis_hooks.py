@@ -1,0 +1,22 @@
+"""A schemathesis check of this project's, loaded by `schemathesis run` through SCHEMATHESIS_HOOKS.
+
+The schema cannot express every rule (a prompt's length in tokens plus `max_tokens` within the
+context, `min_tokens` <= `max_tokens`), so a schema-valid request may be refused with 400, but
+only naming one of those fields; any other 400 on schema-valid data is a schema that lies.
+"""
+
+from __future__ import annotations
+
+import schemathesis
+from schemathesis.generation import GenerationMode
+
+SEMANTIC_FIELDS = {"prompt", "messages", "max_tokens", "max_completion_tokens", "min_tokens"}
+
+
+@schemathesis.check
+def semantic_refusals_only(ctx, response, case) -> None:
+    if case.meta is None or case.meta.generation.mode is not GenerationMode.POSITIVE or response.status_code != 400:
+        return None
+    param = response.json()["error"]["param"]
+    assert param in SEMANTIC_FIELDS, f"a schema-valid request was refused for {param!r}: {response.text}"
+    return None
