@@ -38,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--device", default="auto")
     srv.add_argument("--dtype", default="auto")
     srv.add_argument("--max-num-seqs", type=int, default=32)
-    srv.add_argument("--max-waiting-requests", type=int, default=256)
+    srv.add_argument("--max-model-len", type=int, default=None, help="context offered (default: the model's)")
+    srv.add_argument("--max-waiting-requests", type=int, default=256, help="more get 503 (busy)")
+    srv.add_argument("--max-request-bytes", type=int, default=2 * 2**20, help="larger bodies get 413")
+    srv.add_argument("--check-invariants", action="store_true", help="check the scheduler's books every step")
     args = parser.parse_args(argv)
 
     if args.command == "prepare":
@@ -60,13 +63,15 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
-            engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=args.max_num_seqs))
+            engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=args.max_num_seqs,
+                                                              max_model_len=args.max_model_len,
+                                                              check_invariants=args.check_invariants))
         except ValueError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
         name = args.served_model_name or (str(args.model).rstrip("/").split("/")[-1] if args.model
                                           else BUNDLED_MODEL_NAME)
-        serve(engine, name, args.host, args.port, args.max_waiting_requests)
+        serve(engine, name, args.host, args.port, args.max_waiting_requests, args.max_request_bytes)
         return 0
 
     from . import SamplingParams, encode_chat, generate, load_model

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from conftest import TINY_FAMILIES
 from llm_runtime import EngineConfig, LLMEngine, SamplingParams, generate
@@ -196,3 +197,23 @@ def test_chunked_prefill_off_waits_for_room(tiny_pairs) -> None:
         engine.step()
     first_long = next(r for r in engine.step_records if any(i[0] == "long" for i in r.items))
     assert [i[2] for i in first_long.items if i[0] == "long"] == [45]  # whole prompt in one step
+
+
+def test_prompt_logprobs_equal_a_full_forward_pass_even_in_chunks_and_after_a_cache_hit(tiny_pairs) -> None:
+    model, _ = tiny_pairs["llama3"]
+    prompt = [(7 * i) % 90 + 3 for i in range(70)]
+    with torch.no_grad():
+        expected = model.compute_logits(model(torch.tensor([prompt]))).log_softmax(-1)[0]  # (T, vocab)
+    engine = LLMEngine(model, None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=24, block_size=16))
+    engine.add_request("warm", prompt, SamplingParams(max_tokens=1))  # its blocks are cached afterwards
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("p", prompt, SamplingParams(max_tokens=2, prompt_logprobs=3))
+    final = [o for _ in range(100) for o in engine.step() if o.finished][0]
+    logprobs = final.prompt_logprobs
+    assert logprobs[0] is None and len(logprobs) == len(prompt)
+    for position in range(1, len(prompt)):
+        entry = logprobs[position]
+        assert abs(entry[prompt[position]] - expected[position - 1, prompt[position]].item()) < 1e-5  # float32
+        top = expected[position - 1].topk(3)
+        assert all(abs(entry[i] - v) < 1e-5 for i, v in zip(top.indices.tolist(), top.values.tolist()))

@@ -17,6 +17,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@contextmanager
+def bundled_server(bundled, **engine_options) -> Iterator[tuple[str, object, object]]:
+    """(base URL, engine, app) of a server over the bundled model, for a test module's lifetime."""
+    from llm_runtime import EngineConfig, LLMEngine
+    from llm_runtime.serving.server import create_app
+
+    model, tokenizer = bundled
+    engine = LLMEngine(model, tokenizer, EngineConfig(**engine_options))
+    app = create_app(engine, MODEL_NAME)
+    with running(app) as base:
+        yield base, engine, app
+
+
+def openai_client(base: str):
+    import openai
+
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+
 @contextmanager
 def running(app) -> Iterator[str]:
     """Serve `app` on 127.0.0.1; yields its base URL; stops the server (and the engine loop) on exit."""

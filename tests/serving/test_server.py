@@ -11,10 +11,8 @@ import pytest
 
 from llm_runtime import LLM, EngineConfig, LLMEngine, SamplingParams, encode_chat
 from llm_runtime.serving.async_engine import AsyncLLMEngine, EngineBusyError
-from llm_runtime.serving.server import create_app
-from servers import running, wait_idle
+from servers import MODEL_NAME, bundled_server, openai_client, wait_idle
 
-MODEL_NAME = "SmolLM2-135M-Instruct"
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "The three primary colors are",
            "Water boils at", "A haiku about the sea:", "1, 2, 3, 4,", "The best way to learn is"]
 
@@ -23,16 +21,13 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(bundled):
-    model, tokenizer = bundled
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=32, max_num_batched_tokens=512))
-    app = create_app(engine, MODEL_NAME)
-    with running(app) as base:
-        yield base, engine, app
+    with bundled_server(bundled, max_num_seqs=32, max_num_batched_tokens=512) as running_server:
+        yield running_server
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
+    return openai_client(server[0])
 
 
 @pytest.fixture(scope="module")

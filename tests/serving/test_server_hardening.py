@@ -16,9 +16,8 @@ import pytest
 from llm_runtime import EngineConfig, LLMEngine, SamplingParams
 from llm_runtime.serving.async_engine import AsyncLLMEngine
 from llm_runtime.serving.server import create_app
-from servers import running, wait_idle
+from servers import MODEL_NAME, bundled_server, openai_client, running, wait_idle
 
-MODEL_NAME = "SmolLM2-135M-Instruct"
 MULTIBYTE_PROMPT = "日本の首都は"  # the bundled model answers in Japanese: tokens that end mid-character
 
 pytestmark = pytest.mark.slow
@@ -26,16 +25,13 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(bundled):
-    model, tokenizer = bundled
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=16, max_num_batched_tokens=512))
-    app = create_app(engine, MODEL_NAME)
-    with running(app) as base:
-        yield base, engine, app
+    with bundled_server(bundled, max_num_seqs=16, max_num_batched_tokens=512) as running_server:
+        yield running_server
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
+    return openai_client(server[0])
 
 
 def completion(base: str, **body) -> httpx.Response:

@@ -28,7 +28,7 @@ from ..config import ModelConfig
 from ..engine.llm import LLM
 from ..engine.outputs import RequestOutput
 from ..model import CausalLM
-from ..sampling import SamplingParams
+from ..sampling import RequestOutputKind, SamplingParams
 from .metrics import BenchmarkMetrics, LatencyTargets, RequestTiming, summarize
 from .roofline import MachinePeaks, request_flops
 
@@ -117,7 +117,9 @@ class Runner(Protocol):
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    """Greedy, a fixed length; one output per request, at its end (no per-step copies)."""
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                          output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 class EngineRunner:

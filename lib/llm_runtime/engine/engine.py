@@ -32,7 +32,7 @@ from ..sampling import Sampler, SamplingParams
 from .block_manager import BlockManager
 from .input_processor import EngineRequest, InputProcessor, Messages, Prompt
 from .model_runner import ModelRunner, ModelRunnerOutput, StepProfile, profile_kv_cache_memory
-from .output_processor import OutputProcessor
+from .output_processor import OutputProcessor, RequestState
 from .outputs import RequestOutput
 from .scheduler import ScheduledBatch, Scheduler, StepRecord
 from .sequence import Sequence, SequenceStatus
@@ -129,7 +129,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     @property
-    def requests(self) -> dict:
+    def requests(self) -> dict[str, RequestState]:
         """The live requests by id (those added and not yet finished or aborted)."""
         return self.output_processor.requests
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..model.tokenizer import Tokenizer
 from ..sampling import RequestOutputKind, SamplingParams
@@ -45,24 +45,27 @@ class SequenceText:
         """All the text so far, held-back tail included (joins the pieces: O(length))."""
         return "".join(self.released) + self.pending
 
-    def append(self, seq: Sequence) -> str | None:
-        """Add the text of the token `seq` just appended; returns the stop string that now ends it, if any."""
+    def append(self, seq: Sequence, now: float) -> bool:
+        """Add the text of the token `seq` just appended. If a stop string now ends the text, cut it
+        there, finish `seq` with that string as its stop reason (even if max_tokens ended it in this
+        same step, as vLLM does) and return True."""
         if self.detokenizer is None:
-            return None
+            return False
         params = self.params
-        if seq.is_finished and seq.status is SequenceStatus.FINISHED_STOPPED:  # by EOS or a stop token
+        if seq.status is SequenceStatus.FINISHED_STOPPED:  # just now, by EOS or a stop token
             if params.include_stop_str_in_output:
                 self.pending += self.detokenizer.add(seq.output_token_ids[-1]) + self.detokenizer.flush()
-            return None  # as vLLM does, the stopping token's own text is not output
+            return False  # as vLLM does, the stopping token's own text is not output
         new = self.detokenizer.add(seq.output_token_ids[-1])
         self.pending += new
         if new and params.stop and seq.num_output_tokens >= params.min_tokens:
             stop = self._find_stop(len(new))
             if stop is not None:
-                return stop
+                seq.finish(SequenceStatus.FINISHED_STOPPED, now, stop)
+                return True
         if seq.is_finished:  # by length: the rest of an incomplete character goes out too
             self.pending += self.detokenizer.flush()
-        return None
+        return False
 
     def _find_stop(self, num_new_chars: int) -> str | None:
         """A stop string that ends in the new text (it may begin in the held-back tail); cut the text there."""
@@ -171,11 +174,9 @@ class OutputProcessor:
             if has_new_token:  # one token per step (speculative decoding will make this a loop)
                 if state.logprobs is not None and seq in logprobs:
                     state.logprobs[i].append(logprobs[seq])
-                stop = text.append(seq)
-                if stop is not None:
-                    if not seq.is_finished:
-                        finished_here.append(seq)
-                    seq.finish(SequenceStatus.FINISHED_STOPPED, now, stop)
+                was_running = not seq.is_finished
+                if text.append(seq, now) and was_running:
+                    finished_here.append(seq)
             new_ids = seq.output_token_ids[state.num_tokens_sent[i]:]
             state.num_tokens_sent[i] = seq.num_output_tokens
             state.finish_sent[i] = seq.is_finished
