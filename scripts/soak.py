@@ -120,12 +120,14 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of load")
     parser.add_argument("--model", default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--server-log", default="soak-server.log", help="the server's stderr")
     args = parser.parse_args()
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "llm_runtime", "serve", "--port", str(port), "--device", "cpu",
                "--max-num-seqs", "32", "--check-invariants"] + (["--model", args.model] if args.model else [])
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = open(args.server_log, "w")
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, text=True)
     try:
         deadline = time.time() + 300
         while True:
@@ -135,8 +137,7 @@ def main() -> int:
             except httpx.HTTPError:
                 pass
             if server.poll() is not None or time.time() > deadline:
-                print(server.stderr.read() if server.stderr else "", file=sys.stderr)
-                raise SystemExit("the server did not start")
+                raise SystemExit(f"the server did not start (see {args.server_log})")
             time.sleep(0.5)
         before = httpx.post(f"{base}/v1/completions", json=GREEDY).json()["choices"][0]["text"]
         rss_before = rss_mib(server.pid)
@@ -168,6 +169,7 @@ def main() -> int:
     finally:
         server.terminate()
         server.wait(timeout=30)
+        log.close()
 
 
 if __name__ == "__main__":

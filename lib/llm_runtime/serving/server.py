@@ -17,6 +17,7 @@ The OpenAPI schema (`/openapi.json`) documents exactly this, with the engine's l
 
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -293,11 +294,13 @@ async def _until_done_or_gone(work: Awaitable[dict], request: Request, streams: 
         await asyncio.wait({working, watching}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watching.cancel()
-        if not working.done():
+        if not working.done():  # the client left (or this handler was cancelled): stop its requests
             working.cancel()
             for stream in streams:
                 stream.cancel()
-    return working.result() if not working.cancelled() else None
+            with contextlib.suppress(asyncio.CancelledError):
+                await working
+    return None if working.cancelled() else working.result()
 
 
 def _sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
