@@ -21,8 +21,6 @@ import contextlib
 import functools
 import json
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -37,12 +35,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..engine.engine import LLMEngine
-from ..engine.outputs import CompletionOutput, Logprobs, RequestOutput
 from ..errors import EngineBusyError, EngineDeadError, InvalidRequestError
 from ..sampling import SamplingParams
 from . import protocol
 from .async_engine import AsyncLLMEngine, RequestStream
 from .metrics import ServerMetrics
+from .responses import APIError, Formatter, OpenAIResponse
 
 logger = logging.getLogger(__name__)
 
@@ -50,20 +48,6 @@ DEFAULT_MAX_REQUEST_BYTES = 2 * 2**20  # 2 MiB: hundreds of full-context prompts
 
 
 # ------------------------------------------------------------------------------------------ errors
-class APIError(Exception):
-    """An error answered as OpenAI's error object with this status."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.headers = status, headers
-        self.info = protocol.ErrorInfo(message=message, type=kind, param=param, code=code)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(protocol.ErrorResponse(error=self.info).model_dump(), status_code=self.status,
-                            headers=self.headers)
-
-
 def _validation_error(error: RequestValidationError) -> APIError:
     first = error.errors()[0]
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
@@ -71,11 +55,6 @@ def _validation_error(error: RequestValidationError) -> APIError:
         return APIError(400, f"the request body is not valid JSON: {first.get('msg')}")
     field = ".".join(location) or "body"
     return APIError(400, f"{field}: {first.get('msg')}", param=location[0] if location else None)
-
-
-def _engine_failed(request_id: str) -> APIError:
-    return APIError(500, f"the engine failed while running request {request_id}; other requests are unaffected "
-                         f"(see the server log)", kind="server_error")
 
 
 class BodyLimit:
@@ -163,7 +142,7 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
     limits = protocol.EngineLimits(engine.model.config.vocab_size, engine.max_model_len, config.max_num_seqs,
                                    config.max_logprobs, config.max_num_stop_strings, config.max_stop_string_len)
     CompletionRequest, ChatCompletionRequest = protocol.bounded_request_models(limits)
-    formatter = _Formatter(engine, model_name)
+    formatter = Formatter(engine, model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -266,7 +245,7 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
 
     async def respond(streams: list[RequestStream], body: protocol._SamplingFields, request: Request,
                       chat: bool, num_top: int) -> Any:
-        response = _Response(formatter, body.n, chat, num_top)
+        response = OpenAIResponse(formatter, body.n, chat, num_top)
         if body.stream:
             return StreamingResponse(_sse(response.stream(streams, metrics, body.include_usage_in_stream)),
                                      media_type="text/event-stream")
@@ -319,159 +298,6 @@ def _sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
         yield "data: [DONE]\n\n"
 
     return encode()
-
-
-# ------------------------------------------------------------------------------------------ responses
-class _Formatter:
-    """What every response of this server shares: the tokenizer (for logprob tokens) and the model name."""
-
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
-        self.model_name = model_name
-        tokenizer = engine.tokenizer
-        self.token_text = functools.lru_cache(maxsize=1 << 16)(
-            (lambda token_id: tokenizer.decode([token_id])) if tokenizer is not None else str)
-
-
-class _Response:
-    """Builds one request's OpenAI completion or chat completion objects from the engine's outputs."""
-
-    def __init__(self, formatter: _Formatter, n: int, chat: bool, num_top: int) -> None:
-        self.formatter, self.n, self.chat, self.num_top = formatter, n, chat, num_top
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-
-    # ---------------------------------------------------------------- logprobs in OpenAI's two shapes
-    def _completion_logprobs(self, entries: list[Logprobs] | None, token_ids: list[int], k: int, offset: int
-                             ) -> tuple[protocol.CompletionLogprobs | None, int]:
-        if entries is None:
-            return None, offset
-        text = self.formatter.token_text
-        tokens = [text(t) for t in token_ids]
-        offsets = []
-        for token in tokens:
-            offsets.append(offset)
-            offset += len(token)
-        return protocol.CompletionLogprobs(
-            tokens=tokens, token_logprobs=[entry[t] for entry, t in zip(entries, token_ids)],
-            top_logprobs=[{text(t): lp for t, lp in _top(entry, k)} for entry in entries], text_offset=offsets), offset
-
-    def _chat_logprobs(self, entries: list[Logprobs] | None, token_ids: list[int], k: int
-                       ) -> protocol.ChatLogprobs | None:
-        if entries is None:
-            return None
-        text = self.formatter.token_text
-
-        def top(token_id: int, logprob: float) -> protocol.TopLogprob:
-            token = text(token_id)
-            return protocol.TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
-
-        return protocol.ChatLogprobs(content=[
-            protocol.TokenLogprob(**top(t, entry[t]).model_dump(), top_logprobs=[top(i, lp) for i, lp in _top(entry, k)])
-            for entry, t in zip(entries, token_ids)])
-
-    # ---------------------------------------------------------------- whole responses
-    @staticmethod
-    def _usage(prompt_tokens: int, completion_tokens: int) -> protocol.Usage:
-        return protocol.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                              total_tokens=prompt_tokens + completion_tokens)
-
-    async def collect(self, streams: list[RequestStream], metrics: ServerMetrics) -> dict:
-        """Every prompt's final output as one completion object; 500 if the engine failed any of them."""
-        finals: list[RequestOutput] = []
-        try:
-            for stream in streams:
-                final = None
-                async for output in stream:
-                    final = output
-                assert final is not None
-                if any(c.finish_reason == "error" for c in final.outputs):
-                    raise _engine_failed(final.request_id)
-                metrics.record(final, sum(len(c.token_ids) for c in final.outputs))
-                finals.append(final)
-        except APIError:
-            raise
-        except Exception as error:  # the engine loop died under this request
-            raise APIError(500, f"the engine failed: {error}", kind="server_error") from error
-        finally:
-            for stream in streams:
-                stream.cancel()
-        prompt_tokens = sum(len(f.prompt_token_ids) for f in finals)
-        usage = self._usage(prompt_tokens, sum(len(c.token_ids) for f in finals for c in f.outputs))
-        choices = [self._choice(p * self.n + c.index, c, final) for p, final in enumerate(finals) for c in final.outputs]
-        if self.chat:
-            return protocol.ChatCompletionResponse(id=self.id, created=self.created, model=self.formatter.model_name,
-                                                   choices=choices, usage=usage).model_dump(mode="json")
-        return protocol.CompletionResponse(id=self.id, created=self.created, model=self.formatter.model_name,
-                                           choices=choices, usage=usage).model_dump(mode="json")
-
-    def _choice(self, index: int, c: CompletionOutput, final: RequestOutput) -> Any:
-        k = self.num_top
-        if self.chat:
-            return protocol.ChatChoice(index=index, message=protocol.ChatResponseMessage(content=c.text),
-                                       logprobs=self._chat_logprobs(c.logprobs, c.token_ids, k),
-                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-        prompt_logprobs = None
-        if final.prompt_logprobs is not None:
-            text = self.formatter.token_text
-            prompt_logprobs = [None if e is None else {text(t): lp for t, lp in e.items()} for e in final.prompt_logprobs]
-        return protocol.CompletionChoice(index=index, text=c.text,
-                                         logprobs=self._completion_logprobs(c.logprobs, c.token_ids, k, 0)[0],
-                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                         prompt_logprobs=prompt_logprobs)
-
-    async def stream(self, streams: list[RequestStream], metrics: ServerMetrics, include_usage: bool
-                     ) -> AsyncIterator[dict]:
-        """One chunk per generated token of each completion, then (if asked) one with the usage."""
-        model, counts = self.formatter.model_name, {}
-        offsets: dict[int, int] = {}
-        prompt_tokens = 0
-        try:
-            if self.chat:  # OpenAI's first chat chunk carries the role
-                yield protocol.ChatCompletionChunk(id=self.id, created=self.created, model=model, choices=[
-                    protocol.ChatChunkChoice(index=i, delta=protocol.ChatDelta(role="assistant", content=""))
-                    for i in range(self.n)]).model_dump(mode="json")
-            for p, stream in enumerate(streams):
-                try:
-                    async for output in stream:
-                        for c in output.outputs:
-                            if c.finish_reason == "error":
-                                raise _engine_failed(output.request_id)
-                            index = p * self.n + c.index
-                            counts[index] = counts.get(index, 0) + len(c.token_ids)
-                            yield self._chunk(index, c, offsets)
-                        if output.finished:
-                            prompt_tokens += len(output.prompt_token_ids)
-                            metrics.record(output, sum(counts.get(p * self.n + i, 0) for i in range(self.n)))
-                except (APIError, asyncio.CancelledError):
-                    raise
-                except Exception as error:  # the engine loop died under this request
-                    raise APIError(500, f"the engine failed: {error}", kind="server_error") from error
-            if include_usage:
-                usage = self._usage(prompt_tokens, sum(counts.values()))
-                chunk = protocol.ChatCompletionChunk if self.chat else protocol.CompletionChunk
-                yield chunk(id=self.id, created=self.created, model=model, choices=[], usage=usage).model_dump(mode="json")
-        finally:  # the client went away (or we are done): stop whatever still runs
-            for stream in streams:
-                stream.cancel()
-
-    def _chunk(self, index: int, c: CompletionOutput, offsets: dict[int, int]) -> dict:
-        model, k = self.formatter.model_name, self.num_top
-        if self.chat:
-            choice = protocol.ChatChunkChoice(index=index, delta=protocol.ChatDelta(content=c.text),
-                                              logprobs=self._chat_logprobs(c.logprobs, c.token_ids, k),
-                                              finish_reason=c.finish_reason)
-            return protocol.ChatCompletionChunk(id=self.id, created=self.created, model=model,
-                                                choices=[choice]).model_dump(mode="json")
-        logprobs, offsets[index] = self._completion_logprobs(c.logprobs, c.token_ids, k, offsets.get(index, 0))
-        choice = protocol.CompletionChoice(index=index, text=c.text, logprobs=logprobs, finish_reason=c.finish_reason,
-                                           stop_reason=c.stop_reason)
-        return protocol.CompletionChunk(id=self.id, created=self.created, model=model,
-                                        choices=[choice]).model_dump(mode="json")
-
-
-def _top(entry: Logprobs, k: int) -> list[tuple[int, float]]:
-    """The k most likely tokens of a position (the chosen token counts only if it is among them)."""
-    return sorted(entry.items(), key=lambda item: -item[1])[:k]
 
 
 def serve(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
