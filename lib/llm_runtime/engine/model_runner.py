@@ -95,7 +95,7 @@ class ModelRunner:
             offsets.append(offsets[-1] + count)
         for item, offset in zip(batch.items, offsets):
             if item.is_prefill and item.seq.params.prompt_logprobs is not None:
-                self._prompt_logprobs(item, token_ids, hidden[0, offset : offset + item.num_new_tokens], output)
+                self._prompt_logprobs(item, hidden[0, offset : offset + item.num_new_tokens], output)
         # Only a sequence whose chunk reaches its last known token samples; take that position.
         sampling = [i for i, item in enumerate(batch.items) if item.samples]
         if not sampling:
@@ -116,16 +116,11 @@ class ModelRunner:
             top_logprobs = out.top_logprobs.tolist() if out.top_logprobs is not None else None
             for row, seq in enumerate(seqs):
                 k = seq.params.logprobs
-                if k is None:
-                    continue
-                entry = {sampled[row]: sampled_logprobs[row]}
-                if top_ids is not None and top_logprobs is not None:
-                    entry.update(zip(top_ids[row][:k], top_logprobs[row][:k]))
-                output.logprobs[seq] = entry
+                if k is not None:
+                    output.logprobs[seq] = _entry(sampled[row], sampled_logprobs[row], top_ids, top_logprobs, row, k)
         return output
 
-    def _prompt_logprobs(self, item: ScheduledSequence, token_ids: list[int], hidden: torch.Tensor,
-                         output: ModelRunnerOutput) -> None:
+    def _prompt_logprobs(self, item: ScheduledSequence, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
         """Logprobs of the prompt tokens this chunk predicts (position p predicts token p + 1), in slices
         of rows so a long chunk never holds (chunk, vocab) logits at once."""
         seq, k = item.seq, item.seq.params.prompt_logprobs
@@ -139,13 +134,21 @@ class ModelRunner:
             logprobs = self.model.compute_logits(hidden[begin:end]).float().log_softmax(dim=-1)  # (rows, vocab)
             chosen = logprobs.gather(1, targets[begin:end, None])[:, 0].tolist()
             top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-            for row, token in enumerate(targets[begin:end].tolist()):
-                entry = {token: chosen[row]}
-                if top_ids is not None and top_values is not None:
-                    entry.update(zip(top_ids[row].tolist(), top_values[row].tolist()))
-                entries.append(entry)
+            top_ids_list = None if top_ids is None else top_ids.tolist()  # one copy to the host per slice
+            top_values_list = None if top_values is None else top_values.tolist()
+            entries += [_entry(token, chosen[row], top_ids_list, top_values_list, row, k)
+                        for row, token in enumerate(targets[begin:end].tolist())]
         if entries:
             output.prompt_logprobs.append((seq, item.start, entries))
+
+
+def _entry(token: int, logprob: float, top_ids: list[list[int]] | None, top_logprobs: list[list[float]] | None,
+           row: int, k: int) -> Logprobs:
+    """One position's logprobs: the chosen token's first, then the row's k most likely tokens."""
+    entry = {token: logprob}
+    if top_ids is not None and top_logprobs is not None:
+        entry.update(zip(top_ids[row][:k], top_logprobs[row][:k]))
+    return entry
 
 
 @torch.inference_mode()

@@ -255,10 +255,8 @@ class Scheduler:
             ended += self.forks.pop(parent)
         for seq in ended:
             seq.finish(status, now)
-            if self.block_manager.has_blocks(seq):
-                self.block_manager.free(seq)
         self.waiting = deque(seq for seq in self.waiting if seq.request_id != request_id)
-        self.running = [seq for seq in self.running if seq.request_id != request_id]
+        self.finish(ended)
         return ended
 
     def check_invariants(self) -> None:

@@ -205,13 +205,13 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
         except EngineDeadError as error:
             raise APIError(503, str(error), kind="server_error") from error
         except InvalidRequestError as error:
-            raise APIError(400, str(error), param=field_names.get(error.param or "", error.param)) from error
+            raise _refused(error, field_names) from error
 
     def sampling_params(body: protocol._SamplingFields, field_names: dict[str, str], **kwargs: Any) -> SamplingParams:
         try:
             return body.sampling_params(**kwargs)
         except InvalidRequestError as error:
-            raise APIError(400, str(error), param=field_names.get(error.param or "", error.param)) from error
+            raise _refused(error, field_names) from error
 
     @app.post("/v1/completions", response_model=protocol.CompletionResponse,
               responses={**_sse_doc(protocol.CompletionChunk), **_ERRORS})
@@ -255,6 +255,11 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
         return JSONResponse(finals)
 
     return app
+
+
+def _refused(error: InvalidRequestError, field_names: dict[str, str]) -> APIError:
+    """A 400 naming the field at fault, as this route calls it (chat says top_logprobs for logprobs)."""
+    return APIError(400, str(error), param=field_names.get(error.param or "", error.param))
 
 
 async def _as_list(stream: Awaitable[RequestStream]) -> list[RequestStream]:
