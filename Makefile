@@ -33,8 +33,10 @@ lab: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[lab]"
 	$(BIN)/jupyter lab notebooks/
 
+# The unit tests and every lesson in float32, then every lesson again in bfloat16 (what a GPU runs).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests notebooks --nbval-lax --durations=10
+	LLM_RUNTIME_DTYPE=bfloat16 $(BIN)/python -m pytest -q -p no:cacheprovider notebooks --nbval-lax --durations=5
 
 clean-venv:
 	rm -rf $(VENV)

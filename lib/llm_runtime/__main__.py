@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--max-model-len", type=int, default=None, help="context offered (default: the model's)")
     srv.add_argument("--max-waiting-requests", type=int, default=256, help="more get 503 (busy)")
     srv.add_argument("--max-request-bytes", type=int, default=2 * 2**20, help="larger bodies get 413")
+    srv.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                     help="fraction of device memory this process may use (another process on the GPU? lower it)")
+    srv.add_argument("--kv-cache-memory", type=int, default=None, help="the KV pool in bytes (default: the rule)")
     srv.add_argument("--check-invariants", action="store_true", help="check the scheduler's books every step")
     args = parser.parse_args(argv)
 
@@ -65,8 +68,10 @@ def main(argv: list[str] | None = None) -> int:
             model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
             engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=args.max_num_seqs,
                                                               max_model_len=args.max_model_len,
+                                                              gpu_memory_utilization=args.gpu_memory_utilization,
+                                                              kv_cache_memory=args.kv_cache_memory,
                                                               check_invariants=args.check_invariants))
-        except ValueError as error:
+        except (ValueError, RuntimeError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
         name = args.served_model_name or (str(args.model).rstrip("/").split("/")[-1] if args.model

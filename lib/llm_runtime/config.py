@@ -139,14 +139,20 @@ class ModelConfig:
         )
 
 
+# The CPU's emulated device memory: 2 GiB, of which 90 % leaves about 1.2 GiB of KV pool for the bundled
+# model in float32 (its weights take 0.5 GiB); a second engine alive beside it finds no room, as on a GPU.
+DEFAULT_CPU_DEVICE_MEMORY = 2 << 30
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine schedules and how much KV memory it has.
 
     The KV pool is `num_kv_blocks` blocks of `block_size` tokens. Its size comes from, in order:
-    `num_kv_blocks` if given; else `kv_cache_memory` bytes; else, on CUDA, what is free after the
-    weights and a profiled forward pass, times `gpu_memory_utilization`; else (CPU) enough for
-    `max_num_seqs` full-length sequences, capped at `DEFAULT_CPU_KV_CACHE_MEMORY`.
+    `num_kv_blocks` if given; else `kv_cache_memory` bytes; else the device's memory times
+    `gpu_memory_utilization`, minus what the process already holds (on CUDA profiled, on the CPU
+    counted against an emulated device of `cpu_device_memory` bytes), and never more than
+    `max_num_seqs` full-length sequences can use (`engine/kv_budget.py`).
     """
 
     max_num_seqs: int = 32  # sequences running at once (decode batch size)
@@ -158,7 +164,8 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # the pool size in blocks, if set
     kv_cache_memory: int | None = None  # the pool size in bytes, if set (and num_kv_blocks is not)
-    gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may use, weights included
+    gpu_memory_utilization: float = 0.9  # fraction of device memory the engine may use, weights included
+    cpu_device_memory: int = DEFAULT_CPU_DEVICE_MEMORY  # the CPU's emulated device memory (the KV budget's rule)
     enable_prefix_caching: bool = True  # reuse computed blocks of equal prefixes across requests
     # Limits on what one request may ask for (the input processor refuses more, naming the field).
     max_logprobs: int = 20  # top logprobs per token (`logprobs`, `prompt_logprobs`), as vLLM's default
@@ -179,7 +186,7 @@ class EngineConfig:
             )
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2 or None, got {self.max_model_len!r}")
-        for name in ("num_kv_blocks", "kv_cache_memory"):
+        for name in ("num_kv_blocks", "kv_cache_memory", "cpu_device_memory"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
@@ -187,6 +194,3 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-
-
-DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: the CPU pool when neither num_kv_blocks nor kv_cache_memory is set

@@ -13,8 +13,9 @@ import torch
 
 from conftest import transformers_greedy
 from llm_runtime import LLM, EngineConfig, LLMEngine, SamplingParams, generate
-from llm_runtime.config import DEFAULT_CPU_KV_CACHE_MEMORY
 from llm_runtime.attention.kv_cache import kv_block_bytes
+from llm_runtime.engine.kv_budget import activation_bytes, tensor_bytes
+from llm_runtime.errors import EngineDeadError
 from llm_runtime.model.tokenizer import encode_chat
 
 BLOCK_SIZE = 16
@@ -205,16 +206,60 @@ def test_kv_budget_from_bytes_and_cpu_default(tiny_pairs) -> None:
     engine = LLMEngine(model, None, EngineConfig(kv_cache_memory=10 * block + block // 2))
     assert engine.stats().num_total_blocks == 10
     assert engine.kv_cache.nbytes == 10 * block
-    default = LLMEngine(model, None, EngineConfig(max_num_seqs=4))
+    default = LLMEngine(model, None, EngineConfig(max_num_seqs=4))  # small model: what 4 sequences can use
     full = 4 * model.config.max_position_embeddings * block // 16
-    assert default.stats().num_total_blocks == min(DEFAULT_CPU_KV_CACHE_MEMORY, full) // block
+    assert default.stats().num_total_blocks == full // block
     with pytest.raises(ValueError, match="hold no block"):
         LLMEngine(model, None, EngineConfig(kv_cache_memory=block - 1))
 
 
+def _device_rule_config() -> EngineConfig:
+    """An emulated CPU device of 8 MiB, smaller than what 32 sequences of 512 tokens could use (16 MiB)."""
+    return EngineConfig(cpu_device_memory=8 << 20, max_num_seqs=32, max_num_batched_tokens=64)
+
+
+def test_cpu_budget_follows_the_device_rule(tiny_pairs) -> None:
+    """Pool = device memory x utilization - weights - activations - what live engines hold."""
+    model, _ = tiny_pairs["llama3"]
+    config = _device_rule_config()
+    engine = LLMEngine(model, None, config)
+    expected = int(config.cpu_device_memory * 0.9) - tensor_bytes(model) - activation_bytes(model, config)
+    assert engine.kv_cache.nbytes == expected // kv_block_bytes(model.config, 16, model.dtype) * \
+        kv_block_bytes(model.config, 16, model.dtype)
+    engine.shutdown()
+
+
+def test_a_second_engine_fails_while_the_first_holds_its_pool_and_passes_once_it_is_released(tiny_pairs) -> None:
+    """The lesson-style sequence: engine A alive, then engine B. As on a GPU, B finds no memory until A
+    is shut down (or no longer referenced); the error says what to do."""
+    model, _ = tiny_pairs["llama3"]
+    first = LLM.from_model(model, None, **vars(_device_rule_config()))
+    with pytest.raises(RuntimeError, match="no device memory left.*shutdown"):
+        LLMEngine(model, None, _device_rule_config())
+    first.shutdown()
+    assert first.llm_engine.kv_cache.nbytes == 0
+    with pytest.raises(EngineDeadError, match="shut down"):
+        first.generate([[5, 6, 7]], use_tqdm=False)
+    with LLM.from_model(model, None, **vars(_device_rule_config())) as second:  # the memory is back
+        assert second.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+    assert second.llm_engine.kv_cache.nbytes == 0  # the context manager shut it down
+    third = LLMEngine(model, None, _device_rule_config())
+    del third  # an engine nobody references holds nothing either
+    LLMEngine(model, None, _device_rule_config()).shutdown()
+
+
+def test_an_explicit_budget_lets_two_engines_live_side_by_side(tiny_pairs) -> None:
+    model, _ = tiny_pairs["llama3"]
+    half = EngineConfig(cpu_device_memory=8 << 20, kv_cache_memory=3 << 20)
+    first, second = LLMEngine(model, None, half), LLMEngine(model, None, half)
+    assert first.kv_cache.nbytes == second.kv_cache.nbytes > 0
+    first.shutdown()
+    second.shutdown()
+
+
 @pytest.mark.parametrize("config", [dict(block_size=0), dict(num_kv_blocks=0), dict(kv_cache_memory=-1),
                                     dict(gpu_memory_utilization=0), dict(gpu_memory_utilization=1.5),
-                                    dict(num_kv_blocks=True)])
+                                    dict(num_kv_blocks=True), dict(cpu_device_memory=0)])
 def test_memory_config_is_validated(config: dict) -> None:
     with pytest.raises(ValueError):
         EngineConfig(**config)

@@ -18,6 +18,9 @@ def free_port() -> int:
 
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
+# Test modules keep a server alive while they build other engines: each gets an explicit KV budget
+# (128 MiB: 2,900 tokens of the bundled model in float32), as a notebook keeping two engines would.
+TEST_KV_MEMORY = 128 << 20
 
 
 @contextmanager
@@ -27,10 +30,13 @@ def bundled_server(bundled, **engine_options) -> Iterator[tuple[str, object, obj
     from llm_runtime.serving.server import create_app
 
     model, tokenizer = bundled
-    engine = LLMEngine(model, tokenizer, EngineConfig(**engine_options))
+    engine = LLMEngine(model, tokenizer, EngineConfig(**{"kv_cache_memory": TEST_KV_MEMORY, **engine_options}))
     app = create_app(engine, MODEL_NAME)
-    with running(app) as base:
-        yield base, engine, app
+    try:
+        with running(app) as base:
+            yield base, engine, app
+    finally:
+        engine.shutdown()
 
 
 def openai_client(base: str):

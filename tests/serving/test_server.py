@@ -11,7 +11,7 @@ import pytest
 
 from llm_runtime import LLM, EngineConfig, LLMEngine, SamplingParams, encode_chat
 from llm_runtime.serving.async_engine import AsyncLLMEngine, EngineBusyError
-from servers import MODEL_NAME, bundled_server, openai_client, wait_idle
+from servers import MODEL_NAME, TEST_KV_MEMORY, bundled_server, openai_client, wait_idle
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "The three primary colors are",
            "Water boils at", "A haiku about the sea:", "1, 2, 3, 4,", "The best way to learn is"]
@@ -34,8 +34,8 @@ def client(server) -> openai.OpenAI:
 def reference(bundled) -> dict[str, str]:
     """What LLM.generate answers, greedy, 12 tokens."""
     model, tokenizer = bundled
-    llm = LLM.from_model(model, tokenizer)
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    with LLM.from_model(model, tokenizer, kv_cache_memory=TEST_KV_MEMORY) as llm:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     return {o.prompt: o.outputs[0].text for o in outputs}
 
 
@@ -72,9 +72,9 @@ def test_chat_streaming_and_not(bundled, client) -> None:
     content = full.choices[0].message.content
     assert full.choices[0].message.role == "assistant" and "Paris" in content
     model, tokenizer = bundled
-    expected = LLM.from_model(model, tokenizer).generate(
-        [{"prompt_token_ids": encode_chat(tokenizer, messages)}], SamplingParams(temperature=0, max_tokens=16),
-        use_tqdm=False)[0].outputs[0].text
+    with LLM.from_model(model, tokenizer, kv_cache_memory=TEST_KV_MEMORY) as llm:
+        expected = llm.generate([{"prompt_token_ids": encode_chat(tokenizer, messages)}],
+                                SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0].text
     assert content == expected
     parts = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=16, temperature=0,
                                                 stream=True))
@@ -161,7 +161,8 @@ def test_a_full_queue_answers_busy(bundled) -> None:
     model, tokenizer = bundled
 
     async def scenario() -> tuple[int, int]:
-        engine = AsyncLLMEngine(LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=1)), max_waiting_requests=2)
+        config = EngineConfig(max_num_seqs=1, kv_cache_memory=TEST_KV_MEMORY)
+        engine = AsyncLLMEngine(LLMEngine(model, tokenizer, config), max_waiting_requests=2)
         await engine.start()
         params = SamplingParams(temperature=0, max_tokens=4)
         accepted, busy = [], 0

@@ -16,7 +16,7 @@ import pytest
 from llm_runtime import EngineConfig, LLMEngine, SamplingParams
 from llm_runtime.serving.async_engine import AsyncLLMEngine
 from llm_runtime.serving.server import create_app
-from servers import MODEL_NAME, bundled_server, openai_client, running, wait_idle
+from servers import MODEL_NAME, TEST_KV_MEMORY, bundled_server, openai_client, running, wait_idle
 
 MULTIBYTE_PROMPT = "日本の首都は"  # the bundled model answers in Japanese: tokens that end mid-character
 
@@ -166,7 +166,7 @@ def faulty_server(bundled, monkeypatch):
         return forward(self, input_ids, kv_cache, positions)
 
     monkeypatch.setattr(model, "forward", failing_forward.__get__(model))
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=8))
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=8, kv_cache_memory=TEST_KV_MEMORY))
     app = create_app(engine, MODEL_NAME)
     with running(app) as base:
         yield base, engine
@@ -197,7 +197,7 @@ def test_every_failure_is_an_openai_error_object(server) -> None:
 
 def test_a_dead_engine_loop_answers_503_with_an_error_object(bundled, monkeypatch) -> None:
     model, tokenizer = bundled
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=2))
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=2, kv_cache_memory=TEST_KV_MEMORY))
     monkeypatch.setattr(engine.scheduler, "schedule", lambda: 1 / 0)  # a bug outside any one request
     with running(create_app(engine, MODEL_NAME)) as base:
         assert_error(completion(base, prompt="Hello"), 500)
@@ -210,7 +210,8 @@ def test_request_ids_stay_unique_until_their_stream_closes(bundled) -> None:
     model, tokenizer = bundled
 
     async def scenario() -> list[str]:
-        engine = AsyncLLMEngine(LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=2)))
+        engine = AsyncLLMEngine(LLMEngine(model, tokenizer,
+                                          EngineConfig(max_num_seqs=2, kv_cache_memory=TEST_KV_MEMORY)))
         await engine.start()
         params = SamplingParams(temperature=0, max_tokens=3)
         first = await engine.add_request("Hello", params, request_id="same")
@@ -233,7 +234,7 @@ def test_request_ids_stay_unique_until_their_stream_closes(bundled) -> None:
 
 def test_handlers_never_read_the_scheduler_while_a_step_runs(bundled, monkeypatch) -> None:
     model, tokenizer = bundled
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=8))
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=8, kv_cache_memory=TEST_KV_MEMORY))
     in_step = threading.Event()
     violations: list[str] = []
     step, stats = engine.step, engine.stats

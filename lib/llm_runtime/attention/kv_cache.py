@@ -156,6 +156,11 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
+    def release(self) -> None:
+        """Drop the pool's tensors (the engine is shutting down); the cache holds no memory afterwards."""
+        self.keys, self.values = [], []
+        self.num_blocks = 0
+
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block across all layers, K and V: block_size x 2 x layers x kv heads x head dim x size."""

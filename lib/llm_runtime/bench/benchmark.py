@@ -126,7 +126,7 @@ class EngineRunner:
     """This package's engine: requests enter `LLMEngine` at their arrival times; one step at a time.
 
     Each run gets a fresh engine (`engine_options` are EngineConfig fields), so no run finds the
-    previous one's blocks in its prefix cache.
+    previous one's blocks in its prefix cache; it is shut down when the run ends.
     """
 
     def __init__(self, model: CausalLM, name: str = "llm_runtime", **engine_options: object) -> None:
@@ -159,6 +159,7 @@ class EngineRunner:
         profile = engine.profile
         info = {"stats": vars(engine.stats()), "step_profile": {
             **vars(profile), **{f"{phase}_fraction": value for phase, value in profile.fractions().items()}}}
+        engine.shutdown()  # the next runner (transformers, on a GPU) gets the pool's memory back
         return _collect(self.name, workload, start, duration, {
             i: (o.outputs[0].token_ids, o.metrics.token_times) for i, o in finished.items()}, info)
 

@@ -89,3 +89,26 @@ def measure_peaks(device: torch.device | str, dtype: torch.dtype, matmul_size: i
     copy_time = _best_time(lambda: destination.copy_(source), repeats, device)
     return MachinePeaks(str(device), str(dtype).removeprefix("torch."), 2.0 * n**3 / matmul_time,
                         2.0 * source.numel() * 4 / copy_time)
+
+
+def decode_step_intensity(config: ModelConfig, dtype_size: int, batch_size: int, context_len: int = 0) -> float:
+    """FLOPs per byte of one decode step: `batch_size` sequences, each one new token over `context_len`
+    cached ones. The weights are read once for the whole batch, so intensity grows with the batch
+    until the KV reads (which grow with it too) take over."""
+    per_token = (2.0 * linear_parameters(config) + 2.0 * config.hidden_size * config.vocab_size
+                 + 4.0 * config.num_layers * config.num_heads * config.head_dim * context_len)
+    kv_read = batch_size * context_len * config.kv_bytes_per_token(dtype_size)
+    return batch_size * per_token / (weight_bytes(config, dtype_size) + kv_read)
+
+
+def regime(intensity: float, peaks: MachinePeaks) -> str:
+    """"memory-bound" left of the ridge point (time = bytes / bandwidth), "compute-bound" right of it."""
+    return "memory-bound" if intensity < peaks.ridge_point else "compute-bound"
+
+
+def ridge_batch_size(config: ModelConfig, dtype_size: int, peaks: MachinePeaks, context_len: int = 0) -> int | None:
+    """The smallest decode batch whose step is compute-bound on this machine (None: not below 4096)."""
+    for batch_size in range(1, 4097):
+        if decode_step_intensity(config, dtype_size, batch_size, context_len) >= peaks.ridge_point:
+            return batch_size
+    return None

@@ -23,15 +23,18 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
+import torch
+
 from ..attention.kv_cache import PagedKVCache, kv_block_bytes, num_blocks_in
-from ..config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
-from ..errors import InvalidRequestError
+from ..config import EngineConfig
+from ..errors import EngineDeadError, InvalidRequestError
 from ..model import CausalLM
 from ..model.tokenizer import Tokenizer
 from ..sampling import Sampler, SamplingParams
 from .block_manager import BlockManager
 from .input_processor import EngineRequest, InputProcessor, Messages, Prompt
-from .model_runner import ModelRunner, ModelRunnerOutput, StepProfile, profile_kv_cache_memory
+from .kv_budget import CPU_DEVICE, kv_cache_memory
+from .model_runner import ModelRunner, ModelRunnerOutput, StepProfile
 from .output_processor import OutputProcessor, RequestState
 from .outputs import RequestOutput
 from .scheduler import ScheduledBatch, Scheduler, StepRecord
@@ -96,6 +99,8 @@ class LLMEngine:
         self.max_model_len = min(context_len, num_blocks * block_size)
         self.kv_cache = PagedKVCache.for_model(model.config, num_blocks, block_size, dtype=model.dtype,
                                                device=model.device)
+        CPU_DEVICE.register(self)  # the emulated device's book of what live engines hold (kv_budget.py)
+        self.is_shut_down = False
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.profile = StepProfile()  # where step time goes (lesson 09, bench)
@@ -110,22 +115,32 @@ class LLMEngine:
         self._num_idle_steps = 0  # consecutive steps that scheduled nothing while requests were left
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
-        """The pool size: num_kv_blocks, else kv_cache_memory, else profiled (CUDA) or a default (CPU)."""
+        """The pool size: num_kv_blocks, else kv_cache_memory, else what the device has left (kv_budget.py)."""
         config, model = self.config, self.model
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         if config.kv_cache_memory is not None:
             nbytes = config.kv_cache_memory
-        elif model.device.type == "cuda":
-            nbytes = profile_kv_cache_memory(model, config)
-        else:  # CPU: room for max_num_seqs full-length sequences, within a fixed cap
-            full = config.max_num_seqs * max_model_len * kv_block_bytes(model.config, 1, model.dtype)
-            nbytes = min(DEFAULT_CPU_KV_CACHE_MEMORY, full)
+        else:
+            nbytes = kv_cache_memory(model, config, max_model_len)
         num_blocks = num_blocks_in(nbytes, model.config, config.block_size, model.dtype)
         if num_blocks < 1:
             raise ValueError(f"{nbytes} bytes of KV memory hold no block of {config.block_size} tokens "
                              f"({kv_block_bytes(model.config, config.block_size, model.dtype)} bytes each)")
         return num_blocks
+
+    def shutdown(self) -> None:
+        """Abort every live request and give the KV pool's memory back (on CUDA, to the driver too).
+        The engine refuses new requests afterwards. Calling it twice is harmless."""
+        if self.is_shut_down:
+            return
+        for request_id in list(self.requests):
+            self.abort_request(request_id)
+        self.is_shut_down = True
+        self.kv_cache.release()
+        CPU_DEVICE.release(self)
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ requests
     @property
@@ -141,6 +156,8 @@ class LLMEngine:
     def add_processed(self, request: EngineRequest) -> None:
         """Enqueue a request the input processor made (the async engine validates off the event loop,
         then adds the request between steps)."""
+        if self.is_shut_down:
+            raise EngineDeadError("the engine was shut down; create a new one")
         if request.request_id in self.requests:
             raise InvalidRequestError("request_id", f"request id {request.request_id!r} is already in use")
         params = request.params

@@ -1,9 +1,9 @@
 """`LLM`: the offline API, shaped like vLLM's.
 
     from llm_runtime import LLM, SamplingParams
-    llm = LLM()                                   # the bundled SmolLM2-135M-Instruct
-    outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=16))
-    print(outputs[0].outputs[0].text)
+    with LLM() as llm:                            # the bundled SmolLM2-135M-Instruct
+        outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=16))
+    print(outputs[0].outputs[0].text)             # leaving the block freed the engine's KV pool
 """
 
 from __future__ import annotations
@@ -51,6 +51,18 @@ class LLM:
         self.tokenizer = tokenizer
         self.llm_engine = LLMEngine(model, tokenizer, config)
         self._next_id = 0
+
+    def shutdown(self) -> None:
+        """Free the engine's KV pool (and, on CUDA, return it to the driver); generating afterwards raises.
+        A notebook that is done with an engine calls this, or uses `with LLM(...) as llm:`, so that the
+        next engine finds the memory free (on a GPU a second engine would otherwise find no room)."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer

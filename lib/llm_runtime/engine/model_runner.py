@@ -6,8 +6,7 @@ into one row, `(1, N)` with N = total new tokens, each with its own position. Th
 each sequence attends only to its own past, which `attention.torch_gather.PagedKVBatch` finds in
 the blocks of one shared pool through each sequence's block table (lesson 07).
 
-The runner owns the pool. On CUDA, `profile_kv_cache_memory` sizes it from what a forward pass
-of the largest batch leaves free.
+The runner reads and writes the engine's pool; `kv_budget.py` decides how big it is.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import torch
 
 from ..attention.kv_cache import PagedKVCache
 from ..attention.torch_gather import PagedKVBatch
-from ..config import EngineConfig
 from ..model import CausalLM
 from ..sampling import Sampler
 from .outputs import Logprobs
@@ -149,34 +147,3 @@ def _entry(token: int, logprob: float, top_ids: list[list[int]] | None, top_logp
     if top_ids is not None and top_logprobs is not None:
         entry.update(zip(top_ids[row][:k], top_logprobs[row][:k]))
     return entry
-
-
-@torch.inference_mode()
-def profile_kv_cache_memory(model: CausalLM, config: EngineConfig) -> int:
-    """CUDA: bytes left for the KV pool = total x gpu_memory_utilization - (weights + peak activations
-    of a `max_num_batched_tokens` forward pass + memory held outside PyTorch)."""
-    device = model.device
-    if device.type != "cuda":
-        raise ValueError(f"profiling measures CUDA memory; the model is on {device} (set num_kv_blocks "
-                         f"or kv_cache_memory instead)")
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    num_tokens = min(config.max_num_batched_tokens, model.config.max_position_embeddings)
-    input_ids = torch.zeros((1, num_tokens), dtype=torch.long, device=device)  # (1, T) dummy prompt
-    hidden = model(input_ids)
-    model.compute_logits(hidden[0, -config.max_num_seqs :])  # (max_num_seqs, vocab): the sampler's input
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    free, total = torch.cuda.mem_get_info(device)
-    outside_torch = total - free - torch.cuda.memory_reserved(device)
-    del hidden
-    torch.cuda.empty_cache()
-    available = int(total * config.gpu_memory_utilization) - peak - outside_torch
-    if available <= 0:
-        raise RuntimeError(
-            f"no GPU memory left for the KV cache: weights and activations peak at {peak / 2**30:.2f} GiB "
-            f"of {total / 2**30:.2f} GiB x gpu_memory_utilization {config.gpu_memory_utilization}; raise "
-            f"gpu_memory_utilization or lower max_num_batched_tokens"
-        )
-    return available

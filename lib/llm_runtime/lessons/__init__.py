@@ -1,10 +1,12 @@
 """Helpers only the lessons use: baselines and hand-built pieces the engine itself has outgrown.
 
 `StaticBatchRunner` is the padded, run-to-completion baseline of lessons 04 and 05;
-`RaggedKVBatch` is lesson 05's ragged batch over one contiguous cache per sequence.
+`RaggedKVBatch` is lesson 05's ragged batch over one contiguous cache per sequence;
+`comparable_model` and `assert_same_tokens` state once where token-equality asserts hold (`equality.py`).
 """
 
+from .equality import assert_same_tokens, comparable_model
 from .ragged_batch import RaggedKVBatch
 from .static_batching import StaticBatchRunner
 
-__all__ = ["RaggedKVBatch", "StaticBatchRunner"]
+__all__ = ["RaggedKVBatch", "StaticBatchRunner", "assert_same_tokens", "comparable_model"]

@@ -123,6 +123,11 @@ class AsyncLLMEngine:
             executor.shutdown(wait=True)
         self._fail_streams(EngineDeadError("the engine stopped"))
 
+    async def shutdown(self) -> None:
+        """Stop the loop and free the engine's KV pool (`LLMEngine.shutdown`): nothing can run afterwards."""
+        await self.stop()
+        self.engine.shutdown()
+
     @property
     def is_running(self) -> bool:
         return self._task is not None and not self._task.done()

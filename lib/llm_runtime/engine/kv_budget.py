@@ -1,0 +1,140 @@
+"""How many bytes the KV pool gets, when the config does not say: one rule, on CUDA and on the CPU.
+
+    pool = min(device memory x gpu_memory_utilization - what the process already holds,
+               what max_num_seqs sequences of max_model_len tokens could ever use)
+
+On CUDA, "already holds" is measured: the peak of a profiled forward pass over the largest step
+(weights, activations, and every tensor still alive in the process, another engine's pool
+included) plus the memory held outside PyTorch. On the CPU the device is emulated: its memory is
+`EngineConfig.cpu_device_memory`, and "already holds" is counted: this model's weights, an
+estimate of the activations of the largest step, and the pools and weights of every engine still
+alive in the process (the `DeviceLedger`). So a notebook that creates a second engine while the
+first still holds its pool fails on a laptop exactly where it would fail on a GPU, and
+`LLM.shutdown()` (or `with LLM(...) as llm:`) gives the memory back on both.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..attention.kv_cache import kv_block_bytes
+from ..config import EngineConfig
+from ..model import CausalLM
+
+if TYPE_CHECKING:
+    from .engine import LLMEngine
+
+
+def tensor_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers, each storage counted once (tied embeddings share one)."""
+    seen: dict[int, int] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def activation_bytes(model: CausalLM, config: EngineConfig) -> int:
+    """An estimate of the peak activations of a `max_num_batched_tokens` step: per token, a few hidden-sized
+    buffers (residual, norm, attention output), q/k/v, the MLP's gate, up and product; plus the logits
+    of `max_num_seqs` rows in float32. (On CUDA this is measured instead.)"""
+    c = model.config
+    per_token = 6 * c.hidden_size + 3 * c.intermediate_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    num_tokens = min(config.max_num_batched_tokens, c.max_position_embeddings)
+    itemsize = torch.empty((), dtype=model.dtype).element_size()
+    return num_tokens * per_token * itemsize + config.max_num_seqs * c.vocab_size * 4
+
+
+class DeviceLedger:
+    """The live engines of this process on the emulated CPU device, held weakly: an engine nobody
+    references any more holds nothing, and one that was shut down holds nothing either.
+
+    It is the one piece of process-wide state in the package, because device memory is one: on
+    CUDA the driver keeps this book; on the CPU, this class does.
+    """
+
+    def __init__(self) -> None:
+        self._engines: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
+
+    def register(self, engine: LLMEngine) -> None:
+        self._engines.add(engine)
+
+    def release(self, engine: LLMEngine) -> None:
+        self._engines.discard(engine)
+
+    def num_live(self, device: torch.device) -> int:
+        return sum(engine.model.device == device for engine in list(self._engines))
+
+    def held_bytes(self, device: torch.device, besides: CausalLM | None = None) -> int:
+        """Bytes held on `device` by live engines (their pools and their models' weights), with the
+        weights of `besides` (the model about to get an engine) counted once."""
+        gc.collect()  # an engine in a reference cycle that nobody can reach is not live
+        models: dict[int, torch.nn.Module] = {} if besides is None else {id(besides): besides}
+        pools = 0
+        for engine in list(self._engines):
+            if engine.model.device != device:
+                continue
+            pools += engine.kv_cache.nbytes
+            models[id(engine.model)] = engine.model
+        return pools + sum(tensor_bytes(m) for m in models.values())
+
+
+CPU_DEVICE = DeviceLedger()
+
+
+def kv_cache_memory(model: CausalLM, config: EngineConfig, max_model_len: int) -> int:
+    """Bytes for the KV pool by the rule above (the config gave neither num_kv_blocks nor kv_cache_memory)."""
+    block = kv_block_bytes(model.config, config.block_size, model.dtype)
+    if model.device.type == "cuda":
+        headroom = profile_kv_cache_memory(model, config, min_bytes=block)
+    else:
+        total = int(config.cpu_device_memory * config.gpu_memory_utilization)
+        held = CPU_DEVICE.held_bytes(model.device, besides=model) + activation_bytes(model, config)
+        headroom = total - held
+        if headroom < block:
+            raise RuntimeError(
+                f"no device memory left for the KV cache: {held / 2**30:.3f} GiB is held (weights, activations "
+                f"and the pools of {CPU_DEVICE.num_live(model.device)} live engine(s)) of the emulated CPU "
+                f"device's {config.cpu_device_memory / 2**30:.3f} GiB x gpu_memory_utilization "
+                f"{config.gpu_memory_utilization}. Shut down the engines you are done with (llm.shutdown(), or "
+                f"`with LLM(...) as llm:`), or give each engine an explicit budget (kv_cache_memory, num_kv_blocks)"
+            )
+    full = config.max_num_seqs * max_model_len * kv_block_bytes(model.config, 1, model.dtype)
+    return min(headroom, full)
+
+
+@torch.inference_mode()
+def profile_kv_cache_memory(model: CausalLM, config: EngineConfig, min_bytes: int = 1) -> int:
+    """CUDA: bytes left for the KV pool = total x gpu_memory_utilization - (weights + peak activations
+    of a `max_num_batched_tokens` forward pass + every other live tensor + memory held outside PyTorch)."""
+    device = model.device
+    if device.type != "cuda":
+        raise ValueError(f"profiling measures CUDA memory; the model is on {device} (set num_kv_blocks "
+                         f"or kv_cache_memory instead)")
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    num_tokens = min(config.max_num_batched_tokens, model.config.max_position_embeddings)
+    input_ids = torch.zeros((1, num_tokens), dtype=torch.long, device=device)  # (1, T) dummy prompt
+    hidden = model(input_ids)
+    model.compute_logits(hidden[0, -config.max_num_seqs :])  # (max_num_seqs, vocab): the sampler's input
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    free, total = torch.cuda.mem_get_info(device)
+    outside_torch = total - free - torch.cuda.memory_reserved(device)
+    del hidden
+    torch.cuda.empty_cache()
+    available = int(total * config.gpu_memory_utilization) - peak - outside_torch
+    if available < min_bytes:
+        raise RuntimeError(
+            f"no GPU memory left for the KV cache: weights, activations and other live tensors (another "
+            f"engine's pool?) peak at {peak / 2**30:.2f} GiB of {total / 2**30:.2f} GiB x gpu_memory_utilization "
+            f"{config.gpu_memory_utilization}. Shut down the engines you are done with (llm.shutdown(), or "
+            f"`with LLM(...) as llm:`), raise gpu_memory_utilization or lower max_num_batched_tokens"
+        )
+    return available
