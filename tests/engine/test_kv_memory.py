@@ -303,3 +303,15 @@ def test_cuda_budget_is_profiled_within_the_utilization(bundled, bundled_referen
         assert output[0].outputs[0].token_ids == transformers_greedy(bundled_reference, prompt, 8)
     finally:
         model.to("cpu")
+
+
+def test_shutdown_aborts_live_requests_and_refuses_new_ones(tiny_pairs) -> None:
+    model, _ = tiny_pairs["llama2"]
+    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=16))
+    engine.add_request("live", [5, 6, 7, 8], SamplingParams(max_tokens=50))
+    engine.step()
+    engine.shutdown()
+    assert not engine.has_unfinished_requests() and engine.kv_cache.nbytes == 0
+    with pytest.raises(EngineDeadError):
+        engine.add_request("late", [5, 6], SamplingParams(max_tokens=2))
+    engine.shutdown()  # twice is harmless

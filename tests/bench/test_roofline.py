@@ -1,0 +1,37 @@
+"""The roofline's arithmetic: FLOPs and bytes of a decode step, and on which side of the ridge it falls."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from llm_runtime.bench.roofline import (MachinePeaks, decode_step_intensity, regime, ridge_batch_size,
+                                        weight_bytes)
+from llm_runtime.config import ModelConfig
+
+CONFIG = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                     num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192)
+
+
+@pytest.mark.parametrize("dtype_size", [2, 4])
+def test_without_context_a_decode_step_does_two_flops_per_weight_byte_per_row(dtype_size: int) -> None:
+    # Every weight is read once per step and multiplied once per row (2 FLOPs): intensity = 2 x rows / size.
+    for batch_size in (1, 8, 64):
+        assert decode_step_intensity(CONFIG, dtype_size, batch_size) == pytest.approx(2 * batch_size / dtype_size)
+
+
+def test_cached_context_adds_kv_reads_that_grow_with_the_batch() -> None:
+    short, long = (decode_step_intensity(CONFIG, 2, 64, context) for context in (0, 4096))
+    assert long < short  # the KV bytes per row cost more than the attention FLOPs they feed
+    kv = 64 * 4096 * CONFIG.kv_bytes_per_token(2)
+    assert kv > weight_bytes(CONFIG, 2)  # at batch 64 and 4k context the KV reads outweigh the weights
+
+
+def test_regime_and_the_ridge_batch_size() -> None:
+    h100 = MachinePeaks("cuda", "bfloat16", matmul_flops=990e12, memory_bandwidth=3.35e12)
+    assert regime(1.0, h100) == "memory-bound" and regime(1000.0, h100) == "compute-bound"
+    assert ridge_batch_size(CONFIG, 2, h100) == math.ceil(h100.ridge_point * 2 / 2)  # 2 b / 2 >= ridge
+    laptop = MachinePeaks("cpu", "float32", matmul_flops=1e11, memory_bandwidth=1e10)  # ridge 10 FLOP/byte
+    assert ridge_batch_size(CONFIG, 4, laptop) == 20
+    assert ridge_batch_size(CONFIG, 2, MachinePeaks("x", "y", 1e18, 1.0)) is None
