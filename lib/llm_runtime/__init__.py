@@ -14,6 +14,7 @@ model runner, `LLMEngine`, `LLM`), `serving/` (async engine, OpenAI-compatible s
 from .attention import ContiguousKVCache, PagedKVCache
 from .config import EngineConfig, ModelConfig, RopeConfig
 from .device import resolve_device, resolve_dtype
+from .errors import EngineBusyError, EngineDeadError, InvalidRequestError
 from .engine import (LLM, BlockAllocator, BlockManager, CompletionOutput, EngineStats, IncrementalDetokenizer,
                      LLMEngine, ModelRunner, RequestMetrics, RequestOutput, ScheduledBatch, Scheduler, Sequence,
                      SequenceStatus, StepRecord, generate)
@@ -29,9 +30,12 @@ __all__ = [
     "CausalLM",
     "CompletionOutput",
     "ContiguousKVCache",
+    "EngineBusyError",
     "EngineConfig",
+    "EngineDeadError",
     "EngineStats",
     "IncrementalDetokenizer",
+    "InvalidRequestError",
     "LLM",
     "LLMEngine",
     "ModelConfig",
