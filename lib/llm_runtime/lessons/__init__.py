@@ -2,7 +2,8 @@
 
 `StaticBatchRunner` is the padded, run-to-completion baseline of lessons 04 and 05;
 `RaggedKVBatch` is lesson 05's ragged batch over one contiguous cache per sequence;
-`comparable_model` and `assert_same_tokens` state once where token-equality asserts hold (`equality.py`).
+`comparable_model` and `assert_same_tokens` state once where token-equality asserts hold (`equality.py`);
+`exercises/` holds a checker per exercise at the end of each lesson, run against the package's own code.
 """
 
 from .equality import assert_same_tokens, comparable_model

@@ -1,0 +1,567 @@
+"""Reference solutions to the lessons' exercises, and plausible wrong answers each checker must reject.
+
+Written from each exercise's statement, without calling the package code the checker compares with,
+so that a solution passing its checker shows that the statement, the checker and the package agree.
+`SOLUTIONS["lesson02.top_p_filter"]` is the answer to `lesson02.check_top_p_filter`; `WRONG[...]` lists
+answers with one classic mistake each (an off-by-one, eps in the wrong place, tiled instead of
+grouped heads, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+# ------------------------------------------------------------------------------------------ lesson 01
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
+
+
+def rms_norm_eps_outside_the_root(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / (x.pow(2).mean(dim=-1, keepdim=True).sqrt() + eps) * weight
+
+
+def rms_norm_centred(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm without its bias: subtracts the mean first."""
+    centred = x - x.mean(dim=-1, keepdim=True)
+    return centred / torch.sqrt(centred.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
+
+
+def kv_bytes_per_token(config, dtype_size: int) -> int:
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_size
+
+
+def kv_bytes_per_token_of_query_heads(config, dtype_size: int) -> int:
+    return 2 * config.num_layers * config.num_heads * config.head_dim * dtype_size
+
+
+def kv_bytes_per_token_from_hidden_size(config, dtype_size: int) -> int:
+    return 2 * config.num_layers * config.num_kv_heads * (config.hidden_size // config.num_heads) * dtype_size
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, T, S)
+    return scores.masked_fill(~allowed, -math.inf).softmax(dim=-1) @ v
+
+
+def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int) -> torch.Tensor:
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # head h reads KV head h // group
+    num_new, num_keys = q.shape[2], k.shape[2]
+    allowed = torch.arange(num_keys)[None, :] <= torch.arange(num_cached, num_cached + num_new)[:, None]  # (T, S)
+    return _attention(q, k, v, allowed)
+
+
+def gqa_attention_tiled_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int) -> torch.Tensor:
+    """`repeat` tiles the KV heads (0, 1, 0, 1): query head h reads KV head h % num_kv_heads."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)
+    num_new, num_keys = q.shape[2], k.shape[2]
+    allowed = torch.arange(num_keys)[None, :] <= torch.arange(num_cached, num_cached + num_new)[:, None]
+    return _attention(q, k, v, allowed)
+
+
+def gqa_attention_mask_from_the_top_left(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                         num_cached: int) -> torch.Tensor:
+    """The square causal mask's corner at key 0: right without a cache, wrong after it."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    allowed = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+    return _attention(q, k, v, allowed)
+
+
+# ------------------------------------------------------------------------------------------ lesson 02
+
+
+def top_p_filter(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    probs, order = logits.softmax(dim=-1).sort(dim=-1, descending=True)
+    mass_above = probs.cumsum(dim=-1) - probs  # the probability of every more likely token
+    remove = mass_above >= top_p  # the tokens before it already reach top_p
+    return logits.masked_fill(torch.zeros_like(remove).scatter(1, order, remove), -math.inf)
+
+
+def top_p_filter_one_token_too_few(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Drops the token that crosses top_p, where the nucleus includes it."""
+    probs, order = logits.softmax(dim=-1).sort(dim=-1, descending=True)
+    remove = probs.cumsum(dim=-1) > top_p
+    remove[:, 0] = False
+    return logits.masked_fill(torch.zeros_like(remove).scatter(1, order, remove), -math.inf)
+
+
+def top_k_filter(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    out = logits.clone()
+    for row, k in enumerate(top_k[:, 0].tolist()):
+        kth_largest = logits[row].topk(k).values[-1]
+        out[row, logits[row] < kth_largest] = -math.inf
+    return out
+
+
+def top_k_filter_dropping_ties(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Exactly k tokens per row (torch.topk's indices): a token tied with the k-th may go."""
+    out = torch.full_like(logits, -math.inf)
+    for row, k in enumerate(top_k[:, 0].tolist()):
+        index = logits[row].topk(k).indices
+        out[row, index] = logits[row, index]
+    return out
+
+
+def apply_penalties(logits: torch.Tensor, prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
+                    repetition_penalties: list[float], frequency_penalties: list[float],
+                    presence_penalties: list[float]) -> torch.Tensor:
+    out = logits.clone()
+    for row in range(logits.shape[0]):
+        for token in set(prompt_token_ids[row]) | set(output_token_ids[row]):
+            value, penalty = out[row, token], repetition_penalties[row]
+            out[row, token] = value / penalty if value > 0 else value * penalty
+        for token, count in Counter(output_token_ids[row]).items():
+            out[row, token] -= frequency_penalties[row] * count + presence_penalties[row]
+    return out
+
+
+def apply_penalties_always_dividing(logits: torch.Tensor, prompt_token_ids: list[list[int]],
+                                    output_token_ids: list[list[int]], repetition_penalties: list[float],
+                                    frequency_penalties: list[float], presence_penalties: list[float]) -> torch.Tensor:
+    """Divides negative logits too, which makes a seen token with a negative logit *more* likely."""
+    out = logits.clone()
+    for row in range(logits.shape[0]):
+        for token in set(prompt_token_ids[row]) | set(output_token_ids[row]):
+            out[row, token] = out[row, token] / repetition_penalties[row]
+        for token, count in Counter(output_token_ids[row]).items():
+            out[row, token] -= frequency_penalties[row] * count + presence_penalties[row]
+    return out
+
+
+def apply_penalties_counting_the_prompt(logits: torch.Tensor, prompt_token_ids: list[list[int]],
+                                        output_token_ids: list[list[int]], repetition_penalties: list[float],
+                                        frequency_penalties: list[float], presence_penalties: list[float]
+                                        ) -> torch.Tensor:
+    """Frequency and presence penalties over the prompt too (vLLM counts only the output)."""
+    both = [p + o for p, o in zip(prompt_token_ids, output_token_ids)]
+    return apply_penalties(logits, prompt_token_ids, both, repetition_penalties, frequency_penalties,
+                           presence_penalties)
+
+
+# ------------------------------------------------------------------------------------------ lesson 03
+
+
+def _earliest_stop(text: str, stop: list[str]) -> tuple[int, str] | None:
+    found = [(text.find(s), s) for s in stop if s in text]
+    return min(found) if found else None
+
+
+def stop_text(pieces: list[str], stop: list[str]) -> tuple[str, str | None]:
+    text = ""
+    for piece in pieces:
+        text += piece
+        match = _earliest_stop(text, stop)  # earlier text held none, so a match ends in this piece
+        if match is not None:
+            return text[: match[0]], match[1]
+    return text, None
+
+
+def stop_text_searching_each_piece(pieces: list[str], stop: list[str]) -> tuple[str, str | None]:
+    """Looks for stop strings in each new piece alone: misses one split across tokens."""
+    text = ""
+    for piece in pieces:
+        match = _earliest_stop(piece, stop)
+        if match is not None:
+            return text + piece[: match[0]], match[1]
+        text += piece
+    return text, None
+
+
+def _stream_deltas(pieces: list[str], stop: list[str], hold: int) -> list[str]:
+    text, sent, deltas = "", 0, []
+    for number, piece in enumerate(pieces, start=1):
+        text += piece
+        match = _earliest_stop(text, stop)
+        if match is not None or number == len(pieces):  # the end: everything left goes out
+            text = text[: match[0]] if match is not None else text
+            deltas.append(text[sent:])
+            return deltas
+        release_to = max(sent, len(text) - hold)
+        deltas.append(text[sent:release_to])
+        sent = release_to
+    return deltas
+
+
+def stream_deltas(pieces: list[str], stop: list[str]) -> list[str]:
+    return _stream_deltas(pieces, stop, hold=max((len(s) for s in stop), default=1) - 1)
+
+
+def stream_deltas_holding_one_too_many(pieces: list[str], stop: list[str]) -> list[str]:
+    return _stream_deltas(pieces, stop, hold=max((len(s) for s in stop), default=0))
+
+
+def stream_deltas_holding_nothing(pieces: list[str], stop: list[str]) -> list[str]:
+    """Sends text as it comes: the start of a stop string goes out before the stop string is complete."""
+    return _stream_deltas(pieces, stop, hold=0)
+
+
+# ------------------------------------------------------------------------------------------ lesson 04
+
+
+def _fcfs_batches(prompt_lens: list[int], max_batch_size: int, max_num_batched_tokens: int,
+                  padded: bool = True) -> list[list[int]]:
+    batches, current, longest, total = [], [], 0, 0
+    for index, length in enumerate(prompt_lens):
+        tokens = max(longest, length) * (len(current) + 1) if padded else total + length
+        if current and (len(current) == max_batch_size or tokens > max_num_batched_tokens):
+            batches.append(current)
+            current, longest, total = [], 0, 0
+        current.append(index)
+        longest, total = max(longest, length), total + length
+    return batches + [current]
+
+
+def _token_steps(batches: list[list[int]], max_tokens: list[int]) -> list[tuple[int, int]]:
+    steps: list[tuple[int, int]] = [(0, 0)] * len(max_tokens)
+    done = 0  # steps taken by the batches before this one
+    for batch in batches:
+        for i in batch:
+            steps[i] = (done + 1, done + max_tokens[i])  # prefill gives the first token; one more per step
+        done += max(max_tokens[i] for i in batch)  # the batch runs until its longest request is done
+    return steps
+
+
+def static_token_steps(prompt_lens: list[int], max_tokens: list[int], max_batch_size: int,
+                       max_num_batched_tokens: int) -> list[tuple[int, int]]:
+    return _token_steps(_fcfs_batches(prompt_lens, max_batch_size, max_num_batched_tokens), max_tokens)
+
+
+def static_token_steps_unpadded_budget(prompt_lens: list[int], max_tokens: list[int], max_batch_size: int,
+                                       max_num_batched_tokens: int) -> list[tuple[int, int]]:
+    """Caps the sum of the prompt lengths, where the padded rectangle is what runs."""
+    return _token_steps(_fcfs_batches(prompt_lens, max_batch_size, max_num_batched_tokens, padded=False), max_tokens)
+
+
+def wasted_slots(prompt_lens: list[int], max_tokens: list[int], max_batch_size: int,
+                 max_num_batched_tokens: int) -> int:
+    total = 0
+    for batch in _fcfs_batches(prompt_lens, max_batch_size, max_num_batched_tokens):
+        longest = max(max_tokens[i] for i in batch)
+        total += sum(longest - max_tokens[i] for i in batch)
+    return total
+
+
+def wasted_slots_against_the_longest_request_of_all(prompt_lens: list[int], max_tokens: list[int],
+                                                    max_batch_size: int, max_num_batched_tokens: int) -> int:
+    """Forgets that each batch ends with its own longest request."""
+    return sum(max(max_tokens) - count for count in max_tokens)
+
+
+# ------------------------------------------------------------------------------------------ lesson 05
+
+
+def flatten_ragged(segments: list[tuple[list[int], int, int]]) -> tuple[list[int], list[int], list[int]]:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    logit_rows: list[int] = []
+    for token_ids, start, count in segments:
+        input_ids += token_ids[start : start + count]
+        positions += range(start, start + count)
+        if start + count == len(token_ids):
+            logit_rows.append(len(input_ids) - 1)
+    return input_ids, positions, logit_rows
+
+
+def flatten_ragged_every_segment_samples(segments: list[tuple[list[int], int, int]]
+                                         ) -> tuple[list[int], list[int], list[int]]:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    logit_rows: list[int] = []
+    for token_ids, start, count in segments:
+        input_ids += token_ids[start : start + count]
+        positions += range(start, start + count)
+        logit_rows.append(len(input_ids) - 1)
+    return input_ids, positions, logit_rows
+
+
+def flatten_ragged_positions_from_zero(segments: list[tuple[list[int], int, int]]
+                                       ) -> tuple[list[int], list[int], list[int]]:
+    """Positions as a padded batch's columns would number them: each segment from 0."""
+    input_ids, _, logit_rows = flatten_ragged(segments)
+    return input_ids, [p for _, _, count in segments for p in range(count)], logit_rows
+
+
+def prefill_chunks(prompt_len: int, num_decodes: int, max_num_batched_tokens: int) -> list[int]:
+    chunks, left = [], prompt_len
+    while left:
+        chunks.append(min(left, max_num_batched_tokens - num_decodes))  # the decodes go first
+        left -= chunks[-1]
+    return chunks
+
+
+def prefill_chunks_ignoring_the_decodes(prompt_len: int, num_decodes: int, max_num_batched_tokens: int) -> list[int]:
+    return prefill_chunks(prompt_len, 0, max_num_batched_tokens)
+
+
+# ------------------------------------------------------------------------------------------ lesson 06
+
+
+def pool_blocks(device_memory: int, gpu_memory_utilization: float, held_bytes: int, max_num_seqs: int,
+                max_model_len: int, bytes_per_token: int, block_size: int) -> int:
+    usable = int(device_memory * gpu_memory_utilization) - held_bytes
+    return min(usable, max_num_seqs * max_model_len * bytes_per_token) // (block_size * bytes_per_token)
+
+
+def pool_blocks_without_the_cap(device_memory: int, gpu_memory_utilization: float, held_bytes: int,
+                                max_num_seqs: int, max_model_len: int, bytes_per_token: int, block_size: int) -> int:
+    return (int(device_memory * gpu_memory_utilization) - held_bytes) // (block_size * bytes_per_token)
+
+
+def pool_blocks_ignoring_what_is_held(device_memory: int, gpu_memory_utilization: float, held_bytes: int,
+                                      max_num_seqs: int, max_model_len: int, bytes_per_token: int,
+                                      block_size: int) -> int:
+    return pool_blocks(device_memory, gpu_memory_utilization, 0, max_num_seqs, max_model_len, bytes_per_token,
+                       block_size)
+
+
+def refusal(prompt_len: int, max_tokens: int, context_len: int, num_kv_blocks: int, block_size: int) -> str | None:
+    if prompt_len >= context_len:  # no room for one new token
+        return "prompt"
+    if -(-(prompt_len + 1) // block_size) > num_kv_blocks:  # the prompt and one new token never fit the pool
+        return "prompt"
+    if prompt_len + max_tokens > min(context_len, num_kv_blocks * block_size):
+        return "max_tokens"
+    return None
+
+
+def refusal_counting_prompt_blocks_only(prompt_len: int, max_tokens: int, context_len: int, num_kv_blocks: int,
+                                        block_size: int) -> str | None:
+    """Forgets the first new token needs a slot too."""
+    if prompt_len >= context_len or -(-prompt_len // block_size) > num_kv_blocks:
+        return "prompt"
+    if prompt_len + max_tokens > min(context_len, num_kv_blocks * block_size):
+        return "max_tokens"
+    return None
+
+
+# ------------------------------------------------------------------------------------------ lesson 07
+
+
+def slot_mapping(block_table: list[int], start: int, num_tokens: int, block_size: int) -> list[int]:
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, start + num_tokens)]
+
+
+def slot_mapping_block_not_scaled(block_table: list[int], start: int, num_tokens: int, block_size: int) -> list[int]:
+    return [block_table[p // block_size] + p % block_size for p in range(start, start + num_tokens)]
+
+
+def block_to_copy(block_table: list[int], ref_counts: list[int], num_tokens: int, block_size: int) -> int | None:
+    write_block = (num_tokens - 1) // block_size
+    if write_block < len(block_table) and ref_counts[block_table[write_block]] > 1:
+        return block_table[write_block]
+    return None
+
+
+def block_to_copy_last_block(block_table: list[int], ref_counts: list[int], num_tokens: int,
+                             block_size: int) -> int | None:
+    """Copies the last block if shared, even when the new token opens a block of its own."""
+    return block_table[-1] if ref_counts[block_table[-1]] > 1 else None
+
+
+# ------------------------------------------------------------------------------------------ lesson 08
+
+
+def _cached_blocks(cached_prompts: list[list[int]], prompt: list[int], block_size: int, limit: int) -> int:
+    best = 0
+    for cached in cached_prompts:
+        n = 0
+        while n < limit and (n + 1) * block_size <= len(cached) and \
+                cached[n * block_size : (n + 1) * block_size] == prompt[n * block_size : (n + 1) * block_size]:
+            n += 1
+        best = max(best, n)
+    return best
+
+
+def num_cached_tokens(cached_prompts: list[list[int]], prompt: list[int], block_size: int) -> int:
+    return _cached_blocks(cached_prompts, prompt, block_size, (len(prompt) - 1) // block_size) * block_size
+
+
+def num_cached_tokens_whole_prompt(cached_prompts: list[list[int]], prompt: list[int], block_size: int) -> int:
+    """Lets a fully cached prompt skip its last token too (then nothing produces the next token's logits)."""
+    return _cached_blocks(cached_prompts, prompt, block_size, len(prompt) // block_size) * block_size
+
+
+def num_cached_tokens_common_prefix(cached_prompts: list[list[int]], prompt: list[int], block_size: int) -> int:
+    """The longest common prefix in tokens: a partial block cannot be reused."""
+    best = 0
+    for cached in cached_prompts:
+        n = 0
+        while n < min(len(cached), len(prompt) - 1) and cached[n] == prompt[n]:
+            n += 1
+        best = max(best, n)
+    return best
+
+
+def hit_rate(prompts: list[list[int]], block_size: int) -> float:
+    hits = sum(num_cached_tokens(prompts[:i], prompt, block_size) for i, prompt in enumerate(prompts))
+    return hits / sum(len(prompt) for prompt in prompts)
+
+
+def hit_rate_by_common_prefix(prompts: list[list[int]], block_size: int) -> float:
+    hits = sum(num_cached_tokens_common_prefix(prompts[:i], prompt, block_size) for i, prompt in enumerate(prompts))
+    return hits / sum(len(prompt) for prompt in prompts)
+
+
+# ------------------------------------------------------------------------------------------ lesson 09
+
+
+def request_latencies(start: float, token_times: list[float]) -> tuple[float, float | None, list[float], float]:
+    itls = [b - a for a, b in zip(token_times, token_times[1:])]
+    tpot = (token_times[-1] - token_times[0]) / (len(token_times) - 1) if len(token_times) > 1 else None
+    return token_times[0] - start, tpot, itls, token_times[-1] - start
+
+
+def request_latencies_tpot_over_all_tokens(start: float, token_times: list[float]
+                                           ) -> tuple[float, float | None, list[float], float]:
+    """TPOT as end-to-end latency per token: the first token's wait counted in."""
+    ttft, _, itls, e2el = request_latencies(start, token_times)
+    return ttft, e2el / len(token_times), itls, e2el
+
+
+def _goodput(requests: list[tuple[float, list[float]]], duration: float, ttft_target: float | None,
+             tpot_target: float | None, strict: bool) -> float:
+    def within(value: float | None, target: float | None) -> bool:
+        if target is None or value is None:
+            return True
+        return value < target if strict else value <= target
+
+    met = 0
+    for start, times in requests:
+        ttft, tpot, _, _ = request_latencies(start, times)
+        met += within(ttft, ttft_target) and within(tpot, tpot_target)
+    return met / duration
+
+
+def goodput(requests: list[tuple[float, list[float]]], duration: float, ttft_target: float | None,
+            tpot_target: float | None) -> float:
+    return _goodput(requests, duration, ttft_target, tpot_target, strict=False)
+
+
+def goodput_strictly_below(requests: list[tuple[float, list[float]]], duration: float, ttft_target: float | None,
+                           tpot_target: float | None) -> float:
+    return _goodput(requests, duration, ttft_target, tpot_target, strict=True)
+
+
+def latency_percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    rank = q / 100 * (len(ordered) - 1)
+    below = math.floor(rank)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (rank - below)
+
+
+def latency_percentile_nearest_rank(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+# ------------------------------------------------------------------------------------------ lesson 10
+
+
+def parse_chat_stream(body: str) -> list[tuple[str, str | None]]:
+    texts: dict[int, str] = {}
+    reasons: dict[int, str | None] = {}
+    for event in body.split("\n\n"):
+        if not event.startswith("data: "):
+            continue
+        data = event[len("data: "):]
+        if data == "[DONE]":
+            break
+        for choice in json.loads(data)["choices"]:
+            index = choice["index"]
+            texts[index] = texts.get(index, "") + (choice["delta"].get("content") or "")
+            reasons[index] = choice.get("finish_reason") or reasons.get(index)
+    return [(texts[i], reasons[i]) for i in sorted(texts)]
+
+
+def parse_chat_stream_first_choice_only(body: str) -> list[tuple[str, str | None]]:
+    """Reads choices[0] of every chunk: a usage chunk has none, and other choices are lost."""
+    text, reason = "", None
+    for event in body.split("\n\n"):
+        if event.startswith("data: ") and event != "data: [DONE]":
+            choice = json.loads(event[len("data: "):])["choices"][0]
+            text += choice["delta"].get("content") or ""
+            reason = choice.get("finish_reason") or reason
+    return [(text, reason)]
+
+
+def parse_chat_stream_searching_for_done(body: str) -> list[tuple[str, str | None]]:
+    """Stops at the first event that *contains* [DONE], a text's own included."""
+    cut = body.find("[DONE]")
+    return parse_chat_stream(body[: body.rfind("\n\n", 0, cut) + 2] if cut >= 0 else body)
+
+
+def is_busy(num_waiting: int, num_new: int, max_waiting_requests: int) -> bool:
+    return num_waiting + num_new > max_waiting_requests
+
+
+def is_busy_when_full(num_waiting: int, num_new: int, max_waiting_requests: int) -> bool:
+    """Refuses what would exactly fill the queue."""
+    return num_waiting + num_new >= max_waiting_requests
+
+
+def is_busy_ignoring_the_burst(num_waiting: int, num_new: int, max_waiting_requests: int) -> bool:
+    return num_waiting >= max_waiting_requests
+
+
+# ------------------------------------------------------------------------------------------ the index
+SOLUTIONS: dict[str, Callable] = {
+    "lesson01.rms_norm": rms_norm,
+    "lesson01.kv_bytes_per_token": kv_bytes_per_token,
+    "lesson01.gqa_attention": gqa_attention,
+    "lesson02.top_p_filter": top_p_filter,
+    "lesson02.top_k_filter": top_k_filter,
+    "lesson02.apply_penalties": apply_penalties,
+    "lesson03.stop_text": stop_text,
+    "lesson03.stream_deltas": stream_deltas,
+    "lesson04.static_token_steps": static_token_steps,
+    "lesson04.wasted_slots": wasted_slots,
+    "lesson05.flatten_ragged": flatten_ragged,
+    "lesson05.prefill_chunks": prefill_chunks,
+    "lesson06.pool_blocks": pool_blocks,
+    "lesson06.refusal": refusal,
+    "lesson07.slot_mapping": slot_mapping,
+    "lesson07.block_to_copy": block_to_copy,
+    "lesson08.num_cached_tokens": num_cached_tokens,
+    "lesson08.hit_rate": hit_rate,
+    "lesson09.request_latencies": request_latencies,
+    "lesson09.goodput": goodput,
+    "lesson09.latency_percentile": latency_percentile,
+    "lesson10.parse_chat_stream": parse_chat_stream,
+    "lesson10.is_busy": is_busy,
+}
+
+WRONG: dict[str, list[Callable]] = {
+    "lesson01.rms_norm": [rms_norm_eps_outside_the_root, rms_norm_centred],
+    "lesson01.kv_bytes_per_token": [kv_bytes_per_token_of_query_heads, kv_bytes_per_token_from_hidden_size],
+    "lesson01.gqa_attention": [gqa_attention_tiled_heads, gqa_attention_mask_from_the_top_left],
+    "lesson02.top_p_filter": [top_p_filter_one_token_too_few],
+    "lesson02.top_k_filter": [top_k_filter_dropping_ties],
+    "lesson02.apply_penalties": [apply_penalties_always_dividing, apply_penalties_counting_the_prompt],
+    "lesson03.stop_text": [stop_text_searching_each_piece],
+    "lesson03.stream_deltas": [stream_deltas_holding_one_too_many, stream_deltas_holding_nothing],
+    "lesson04.static_token_steps": [static_token_steps_unpadded_budget],
+    "lesson04.wasted_slots": [wasted_slots_against_the_longest_request_of_all],
+    "lesson05.flatten_ragged": [flatten_ragged_every_segment_samples, flatten_ragged_positions_from_zero],
+    "lesson05.prefill_chunks": [prefill_chunks_ignoring_the_decodes],
+    "lesson06.pool_blocks": [pool_blocks_without_the_cap, pool_blocks_ignoring_what_is_held],
+    "lesson06.refusal": [refusal_counting_prompt_blocks_only],
+    "lesson07.slot_mapping": [slot_mapping_block_not_scaled],
+    "lesson07.block_to_copy": [block_to_copy_last_block],
+    "lesson08.num_cached_tokens": [num_cached_tokens_whole_prompt, num_cached_tokens_common_prefix],
+    "lesson08.hit_rate": [hit_rate_by_common_prefix],
+    "lesson09.request_latencies": [request_latencies_tpot_over_all_tokens],
+    "lesson09.goodput": [goodput_strictly_below],
+    "lesson09.latency_percentile": [latency_percentile_nearest_rank],
+    "lesson10.parse_chat_stream": [parse_chat_stream_first_choice_only, parse_chat_stream_searching_for_done],
+    "lesson10.is_busy": [is_busy_when_full, is_busy_ignoring_the_burst],
+}

@@ -1,0 +1,106 @@
+"""The exercise checkers: each accepts its reference solution, rejects plausible wrong answers naming the
+input that shows the mistake, calls a stub "not attempted", never raises, and runs in under two seconds."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import time
+from collections.abc import Callable
+
+import pytest
+
+from llm_runtime.lessons.exercises import LESSONS, Verdict
+from solutions import SOLUTIONS, WRONG
+
+CHECKER_PREFIX = "check_"
+TIME_LIMIT_SECONDS = 2.0
+
+
+def _checkers() -> dict[str, Callable[[object], Verdict]]:
+    """Every `check_*` function defined in every lesson module, as "lessonNN.name" -> checker."""
+    found = {}
+    for lesson in LESSONS:
+        module = importlib.import_module(f"llm_runtime.lessons.exercises.{lesson}")
+        for name, function in inspect.getmembers(module, inspect.isfunction):
+            if name.startswith(CHECKER_PREFIX) and function.__module__ == module.__name__:
+                found[f"{lesson}.{name[len(CHECKER_PREFIX):]}"] = function
+    return found
+
+
+CHECKERS = _checkers()
+WRONG_ANSWERS = [(key, wrong) for key, answers in WRONG.items() for wrong in answers]
+
+
+def test_every_checker_has_a_solution_and_a_wrong_answer() -> None:
+    assert set(CHECKERS) == set(SOLUTIONS), "checkers and reference solutions must match one to one"
+    assert set(CHECKERS) == set(WRONG)
+    assert all(WRONG[key] for key in CHECKERS), "every checker must be shown to reject at least one wrong answer"
+    for lesson in LESSONS:
+        count = sum(key.startswith(lesson + ".") for key in CHECKERS)
+        assert 2 <= count <= 3, f"{lesson} has {count} exercises; each lesson has two or three"
+
+
+def test_every_lesson_module_lists_its_exercises() -> None:
+    for key, checker in CHECKERS.items():
+        lesson, name = key.split(".")
+        module = importlib.import_module(f"llm_runtime.lessons.exercises.{lesson}")
+        assert f"`{name}(" in module.__doc__, f"{lesson}'s docstring does not list {name}"
+        assert checker.__doc__ and checker.__doc__.startswith(f"`{name}("), \
+            f"check_{name}'s docstring must open with the signature the reader writes"
+
+
+@pytest.mark.parametrize("key", sorted(CHECKERS))
+def test_the_solution_passes_quickly(key: str) -> None:
+    started = time.perf_counter()
+    verdict = CHECKERS[key](SOLUTIONS[key])
+    elapsed = time.perf_counter() - started
+    assert isinstance(verdict, Verdict)
+    assert verdict.passed and verdict.attempted and bool(verdict), verdict.message
+    assert "All " in verdict.message and "agree with" in verdict.message
+    assert elapsed < TIME_LIMIT_SECONDS, f"{key} took {elapsed:.2f} s"
+
+
+@pytest.mark.parametrize("key, wrong", WRONG_ANSWERS, ids=[wrong.__name__ for _, wrong in WRONG_ANSWERS])
+def test_a_wrong_answer_is_rejected_with_its_input(key: str, wrong: Callable) -> None:
+    verdict = CHECKERS[key](wrong)
+    assert not verdict and verdict.attempted, f"{wrong.__name__} passed"
+    assert "on input" in verdict.message and "expected" in verdict.message or "raised" in verdict.message
+    name = key.split(".")[1]
+    assert f"{name}(" in verdict.message, "the message shows the call that failed"
+    parameters = list(inspect.signature(SOLUTIONS[key]).parameters)
+    assert all(f"{parameter}=" in verdict.message for parameter in parameters), "every argument is shown"
+
+
+@pytest.mark.parametrize("key", sorted(CHECKERS))
+def test_a_stub_is_not_attempted_and_nothing_raises(key: str) -> None:
+    def stub(*args: object) -> object:
+        raise NotImplementedError  # your code here
+
+    verdict = CHECKERS[key](stub)
+    assert not verdict.passed and not verdict.attempted
+    assert "run this cell again" in verdict.message
+    assert "not attempted yet" in verdict._repr_markdown_()
+
+
+@pytest.mark.parametrize("key", sorted(CHECKERS))
+def test_other_failures_are_reported_not_raised(key: str) -> None:
+    def crashes(*args: object) -> object:
+        raise ZeroDivisionError("boom")
+
+    verdict = CHECKERS[key](crashes)
+    assert not verdict and verdict.attempted
+    assert "ZeroDivisionError: boom" in verdict.message and "on input" in verdict.message
+    assert not CHECKERS[key](lambda: None), "a function of the wrong arity fails, it does not raise"
+    assert not CHECKERS[key](None).passed, "passing something that is not a function fails, it does not raise"
+    assert not CHECKERS[key](lambda *args: object()).passed, "an answer of the wrong type fails, it does not raise"
+
+
+def test_a_verdict_renders_its_three_states() -> None:
+    passed = Verdict("top_p_filter", True, True, "All 3 cases agree with `apply_top_p`.")
+    failed = Verdict("top_p_filter", False, True, "It differs.\non input:\n  top_p_filter(...)")
+    todo = Verdict("top_p_filter", False, False, "Write it, then run this cell again.")
+    assert bool(passed) and not failed and not todo
+    assert passed._repr_markdown_().startswith("✅") and "passed" in str(passed)
+    assert failed._repr_markdown_().startswith("❌") and "```text\non input:" in failed._repr_markdown_()
+    assert "not attempted yet" in todo._repr_markdown_() and "not attempted yet" in repr(todo)
