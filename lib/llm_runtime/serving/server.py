@@ -247,7 +247,7 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
                       chat: bool, num_top: int) -> Any:
         response = OpenAIResponse(formatter, body.n, chat, num_top)
         if body.stream:
-            return StreamingResponse(_sse(response.stream(streams, metrics, body.include_usage_in_stream)),
+            return StreamingResponse(sse_events(response.stream(streams, metrics, body.include_usage_in_stream)),
                                      media_type="text/event-stream")
         finals = await _until_done_or_gone(response.collect(streams, metrics), request, streams)
         if finals is None:
@@ -287,7 +287,7 @@ async def _until_done_or_gone(work: Awaitable[dict], request: Request, streams: 
     return None if working.cancelled() else working.result()
 
 
-def _sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+def sse_events(events: AsyncIterator[dict]) -> AsyncIterator[str]:
     """Server-sent events; a failure mid-stream becomes an error event, and [DONE] always ends it."""
 
     async def encode() -> AsyncIterator[str]:

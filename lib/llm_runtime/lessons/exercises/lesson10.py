@@ -25,7 +25,7 @@ from ...errors import EngineBusyError
 from ...sampling import SamplingParams
 from ...serving.async_engine import AsyncLLMEngine
 from ...serving.responses import Formatter, OpenAIResponse
-from ...serving.server import _sse
+from ...serving.server import sse_events
 from .check import Case, Verdict, run_cases, same_value
 
 T = TypeVar("T")
@@ -103,7 +103,7 @@ async def _stream_and_response(steps: list[RequestOutput], final: RequestOutput,
     formatter = Formatter(SimpleNamespace(tokenizer=None), "exercise-model")  # type: ignore[arg-type]
     streamed = OpenAIResponse(formatter, n, chat=True, num_top=0).stream(
         [_Replay(steps)], _NoMetrics(), include_usage)  # type: ignore[list-item, arg-type]
-    body = "".join([event async for event in _sse(streamed)])
+    body = "".join([event async for event in sse_events(streamed)])
     response = await OpenAIResponse(formatter, n, chat=True, num_top=0).collect(
         [_Replay([final])], _NoMetrics())  # type: ignore[list-item, arg-type]
     choices = sorted(response["choices"], key=lambda choice: choice["index"])
