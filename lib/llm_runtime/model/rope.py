@@ -42,6 +42,14 @@ class RotaryEmbedding(torch.nn.Module):
         self.head_dim = head_dim
         self.register_buffer("inv_freq", inverse_frequencies(rope, head_dim), persistent=False)
 
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        """`model.to(...)` moves the frequencies but keeps them in float32: `model.to(torch.bfloat16)` then
+        gives the same model as loading it in bfloat16 (rounded frequencies would shift every angle)."""
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(device=self.inv_freq.device)
+        return self
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (B, T) -> cos, sin, each (B, T, head_dim) in `dtype`."""
         freqs = positions[..., None].float() * self.inv_freq.float()  # (B, T, head_dim/2)
