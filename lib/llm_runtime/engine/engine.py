@@ -20,12 +20,14 @@ reports both, with the scheduler's preemption and prefix-cache counters.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 
 import torch
 
 from ..attention.kv_cache import PagedKVCache, kv_block_bytes, num_blocks_in
+from ..attention.selector import select_backend
 from ..config import EngineConfig
 from ..errors import EngineDeadError, InvalidRequestError
 from ..model import CausalLM
@@ -59,6 +61,7 @@ class EngineStats:
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     num_failed_requests: int = 0  # requests a failed step finished with an error
+    attention_backend: str = ""  # the attention backend's name (lesson 11)
 
     @property
     def num_used_blocks(self) -> int:
@@ -104,8 +107,12 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.profile = StepProfile()  # where step time goes (lesson 09, bench)
+        # The environment variable is read here, once per engine: a user's or a lesson's override of "auto".
+        self.attention_backend = select_backend(config.attention_backend, model.device, model.dtype, os.environ,
+                                                  block_size)
+        logger.info("attention backend: %s", self.attention_backend.name)
         self.model_runner = ModelRunner(model, Sampler(seed=config.seed, device=model.device), self.kv_cache,
-                                        self.profile)
+                                        self.profile, self.attention_backend)
         self.input_processor = InputProcessor(tokenizer, model.config, config, context_len=context_len,
                                               max_model_len=self.max_model_len, num_kv_blocks=num_blocks)
         self.output_processor = OutputProcessor(tokenizer)
@@ -192,6 +199,7 @@ class LLMEngine:
             prefix_cache_queried_tokens=scheduler.num_prefix_queried_tokens,
             prefix_cache_hit_tokens=scheduler.num_prefix_hit_tokens,
             num_failed_requests=self.num_failed_requests,
+            attention_backend=self.attention_backend.name,
         )
 
     def has_unfinished_requests(self) -> bool:

@@ -3,8 +3,9 @@
 A ragged (varlen) batch has no padding. The tokens of every scheduled sequence are concatenated
 into one row, `(1, N)` with N = total new tokens, each with its own position. The linear layers
 (most of the compute) run once over all N tokens; attention splits them back per sequence, since
-each sequence attends only to its own past, which `attention.torch_gather.PagedKVBatch` finds in
-the blocks of one shared pool through each sequence's block table (lesson 07).
+each sequence attends only to its own past, which the attention backend finds in the blocks of one
+shared pool through each sequence's block table (lessons 07 and 11). The step's `AttentionMetadata`
+(offsets, lengths, block tables, slot mapping) is built here once and read by every layer.
 
 The runner reads and writes the engine's pool; `kv_budget.py` decides how big it is.
 """
@@ -16,8 +17,10 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from ..attention.backend import AttentionBackend, PagedAttentionStep
 from ..attention.kv_cache import PagedKVCache
-from ..attention.torch_gather import PagedKVBatch
+from ..attention.metadata import AttentionMetadata
+from ..attention.torch_gather import TorchGatherBackend
 from ..model import CausalLM
 from ..sampling import Sampler
 from .outputs import Logprobs
@@ -61,10 +64,11 @@ class ModelRunner:
     """Turns a ScheduledBatch into model inputs, runs the forward pass over the paged pool and samples."""
 
     def __init__(self, model: CausalLM, sampler: Sampler, kv_cache: PagedKVCache,
-                 profile: StepProfile | None = None) -> None:
+                 profile: StepProfile | None = None, attention_backend: AttentionBackend | None = None) -> None:
         self.model = model
         self.sampler = sampler
         self.kv_cache = kv_cache
+        self.attention_backend = attention_backend if attention_backend is not None else TorchGatherBackend()
         self.profile = profile if profile is not None else StepProfile()
 
     @torch.inference_mode()
@@ -79,8 +83,10 @@ class ModelRunner:
             token_ids += item.seq.token_ids(item.start, item.start + item.num_new_tokens)
             positions += range(item.start, item.start + item.num_new_tokens)
         counts = [item.num_new_tokens for item in batch.items]
-        kv = PagedKVBatch(self.kv_cache, [item.block_table for item in batch.items],
-                          [item.start for item in batch.items], counts)
+        metadata = AttentionMetadata.build([item.block_table for item in batch.items],
+                                           [item.start for item in batch.items], counts,
+                                           block_size=self.kv_cache.block_size, device=device)
+        kv = PagedAttentionStep(self.kv_cache, self.attention_backend, metadata)
         input_ids = torch.tensor([token_ids], device=device)  # (1, N)
         position_ids = torch.tensor([positions], device=device)
         prepared = time.perf_counter()

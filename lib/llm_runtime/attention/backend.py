@@ -1,0 +1,101 @@
+"""The attention-backend interface: how a layer writes this step's keys and values and attends.
+
+A backend sees the whole ragged batch at once (prefill chunks and decodes together) and the
+layer's slice of the paged pool. Per step, `plan` turns the step's `AttentionMetadata` into
+whatever the backend wants precomputed (masks, groups, padded tables), once for all layers; per
+layer, `store_kv` writes the new keys and values through the slot mapping and `forward` attends.
+`PagedAttentionStep` is what the model runner hands the model: it holds the pool, the backend and
+the plan, and speaks the model's `KVCache` protocol (`attend`, `advance`).
+
+Shapes follow vLLM's: queries (N, num_heads, head_dim), new keys and values (N, num_kv_heads,
+head_dim), pools (num_blocks, block_size, num_kv_heads, head_dim), outputs (N, num_heads, head_dim).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+from .kv_cache import PagedKVCache
+from .metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """Paged attention for a ragged batch. Invariant: `forward` is causal within each sequence, reads
+    only the first seq_lens[b] slots of sequence b's blocks, and its output does not depend on
+    what the pool holds anywhere else."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    def is_available(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """None when this backend can run here; otherwise the reason it cannot."""
+        return None
+
+    @classmethod
+    def supports_block_size(cls, block_size: int) -> str | None:
+        """None when this backend reads pools of `block_size`-token blocks; otherwise why not."""
+        return None
+
+    def plan(self, metadata: AttentionMetadata) -> Any:
+        """Per step, before the first layer: whatever this backend precomputes from the metadata."""
+        return metadata
+
+    def store_kv(
+        self,
+        key_pool: torch.Tensor,
+        value_pool: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
+        """Write key, value (N, num_kv_heads, head_dim) at flat slots `slot_mapping` (N,); -1 writes nowhere."""
+        num_slots = key_pool.shape[0] * key_pool.shape[1]
+        slots = torch.where(slot_mapping < 0, num_slots, slot_mapping)  # padding goes out of range ...
+        keep = slots < num_slots
+        if not bool(keep.all()):  # ... and is dropped (only padded batches pay for this check)
+            slots, key, value = slots[keep], key[keep], value[keep]
+        key_pool.view(num_slots, *key.shape[1:])[slots] = key  # (num_blocks * block_size, KV, d)
+        value_pool.view(num_slots, *value.shape[1:])[slots] = value
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_pool: torch.Tensor,
+        value_pool: torch.Tensor,
+        plan: Any,
+    ) -> torch.Tensor:
+        """query (N, num_heads, head_dim) -> (N, num_heads, head_dim), each row attending causally over
+        its own sequence's keys in the pool. This step's key, value (N, num_kv_heads, head_dim) are
+        already stored there; a backend may read them from these arguments instead."""
+
+
+class PagedAttentionStep:
+    """One step's attention state, shared by every layer: the pool, the backend and its plan.
+
+    Implements the model's `KVCache` protocol, so the model's forward does not know which backend runs.
+    """
+
+    def __init__(self, cache: PagedKVCache, backend: AttentionBackend, metadata: AttentionMetadata) -> None:
+        if metadata.block_size != cache.block_size:
+            raise ValueError(f"metadata for block size {metadata.block_size}, pool of {cache.block_size}")
+        self.cache = cache
+        self.backend = backend
+        self.metadata = metadata
+        self.plan = backend.plan(metadata)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (1, H, N, d), k, v (1, KV, N, d) -> (1, H, N, d): store this step's k, v, then attend."""
+        key_pool, value_pool = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        key, value = k[0].transpose(0, 1), v[0].transpose(0, 1)  # (N, KV, d)
+        self.backend.store_kv(key_pool, value_pool, self.metadata.slot_mapping, key, value)
+        out = self.backend.forward(q[0].transpose(0, 1), key, value, key_pool, value_pool, self.plan)  # (N, H, d)
+        return out.transpose(0, 1)[None]  # (1, H, N, d)
+
+    def advance(self, num_new_tokens: int) -> None:
+        """Nothing to do: the block manager, not the pool, knows how many tokens each sequence has."""

@@ -1,0 +1,75 @@
+"""Every attention backend the CPU can run gives each request exactly its tokens when run alone.
+
+The engine with each backend (float64 tiny models) under continuous batching with chunked prefill,
+paging with prefix hits and forks (n > 1, copy-on-write), and memory pressure (preemption); then
+how a backend is chosen: by name, by the environment variable, automatically, and refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llm_runtime import EngineConfig, LLMEngine, SamplingParams, generate
+from llm_runtime.attention import available_backends, select_backend
+from llm_runtime.config import ATTENTION_BACKEND_ENV
+
+from test_engine import make_workload, run_engine
+from test_kv_memory import BLOCK_SIZE, assert_no_leak, blocks_unconstrained, expected_alone, run_all, \
+    shared_prefix_workload
+
+CPU_BACKENDS = [name for name, reason in available_backends("cpu", torch.float64).items() if reason is None]
+
+
+def test_the_cpu_runs_the_reference_and_the_blockwise_backend() -> None:
+    assert {"torch-gather", "blockwise"} <= set(CPU_BACKENDS)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_continuous_batching_with_chunked_prefill(tiny_pairs, backend: str) -> None:
+    model, _ = tiny_pairs["llama3"]
+    workload = make_workload(model.config.vocab_size, num_requests=24)
+    engine = LLMEngine(model, None, EngineConfig(max_num_seqs=8, max_num_batched_tokens=96,
+                                                 attention_backend=backend))
+    assert engine.stats().attention_backend == backend
+    results = run_engine(engine, workload)
+    for i, (prompt, params) in enumerate(workload):
+        assert results[str(i)] == generate(model, prompt, params), f"request {i} ({len(prompt)} tokens)"
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_prefix_hits_forks_and_preemption(tiny_pairs, backend: str) -> None:
+    model, _ = tiny_pairs["qwen3"]  # 4 query heads over 2 KV heads
+    workload = shared_prefix_workload(model.config.vocab_size, num_requests=24, seed=2)
+    need = blocks_unconstrained(workload)
+    largest = max(-(-(len(prompt) + p.max_tokens) // BLOCK_SIZE) for prompt, p in workload)
+    engine = LLMEngine(model, None, EngineConfig(
+        max_num_seqs=16, max_num_batched_tokens=128, block_size=BLOCK_SIZE,
+        num_kv_blocks=max(need * 15 // 100, largest), enable_prefix_caching=True, attention_backend=backend))
+    results = run_all(engine, workload, arrive_every=1)
+    for i, expected in enumerate(expected_alone(model, workload)):
+        assert results[str(i)] == [expected] * workload[i][1].n, f"request {i}"
+    stats = engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
+    assert_no_leak(engine)
+
+
+def test_backend_by_environment_variable_and_automatic_choice(tiny_pairs, monkeypatch) -> None:
+    model, _ = tiny_pairs["llama2"]
+    assert LLMEngine(model, None, EngineConfig()).stats().attention_backend == "blockwise"  # the CPU's default
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "torch-gather")
+    assert LLMEngine(model, None, EngineConfig()).stats().attention_backend == "torch-gather"
+    # A backend named in the config wins over the environment.
+    assert LLMEngine(model, None, EngineConfig(attention_backend="blockwise")).stats().attention_backend == "blockwise"
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "fastest")
+    with pytest.raises(ValueError, match=ATTENTION_BACKEND_ENV):
+        LLMEngine(model, None, EngineConfig())
+
+
+def test_unknown_or_impossible_backends_are_refused() -> None:
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineConfig(attention_backend="paged")
+    # FlashAttention needs a CUDA GPU (sm80+) and half precision; the CPU cannot run it.
+    with pytest.raises(ValueError, match="flash-attn"):
+        select_backend("flash-attn", "cpu", torch.float32)
+    assert available_backends("cpu", torch.float32)["flash-attn"] is not None
