@@ -37,6 +37,10 @@ def test_continuous_batching_with_chunked_prefill(tiny_pairs, backend: str) -> N
     results = run_engine(engine, workload)
     for i, (prompt, params) in enumerate(workload):
         assert results[str(i)] == generate(model, prompt, params), f"request {i} ({len(prompt)} tokens)"
+    # The step profile times the attention layers, a part of the forward pass.
+    profile = engine.profile
+    assert 0 < profile.attention < profile.forward
+    assert 0 < profile.fractions()["attention"] < profile.fractions()["forward"]
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

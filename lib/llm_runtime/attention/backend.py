@@ -13,8 +13,9 @@ head_dim), pools (num_blocks, block_size, num_kv_heads, head_dim), outputs (N, n
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -75,26 +76,38 @@ class AttentionBackend(ABC):
         already stored there; a backend may read them from these arguments instead."""
 
 
+class AttentionTimer(Protocol):
+    attention: float  # seconds spent in attention layers so far (the engine's StepProfile)
+
+
 class PagedAttentionStep:
     """One step's attention state, shared by every layer: the pool, the backend and its plan.
 
     Implements the model's `KVCache` protocol, so the model's forward does not know which backend runs.
     """
 
-    def __init__(self, cache: PagedKVCache, backend: AttentionBackend, metadata: AttentionMetadata) -> None:
+    def __init__(self, cache: PagedKVCache, backend: AttentionBackend, metadata: AttentionMetadata,
+                 timer: AttentionTimer | None = None) -> None:
         if metadata.block_size != cache.block_size:
             raise ValueError(f"metadata for block size {metadata.block_size}, pool of {cache.block_size}")
         self.cache = cache
         self.backend = backend
         self.metadata = metadata
+        self.timer = timer
+        started = time.perf_counter()
         self.plan = backend.plan(metadata)
+        if timer is not None:
+            timer.attention += time.perf_counter() - started
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, N, d), k, v (1, KV, N, d) -> (1, H, N, d): store this step's k, v, then attend."""
+        started = time.perf_counter()
         key_pool, value_pool = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         key, value = k[0].transpose(0, 1), v[0].transpose(0, 1)  # (N, KV, d)
         self.backend.store_kv(key_pool, value_pool, self.metadata.slot_mapping, key, value)
         out = self.backend.forward(q[0].transpose(0, 1), key, value, key_pool, value_pool, self.plan)  # (N, H, d)
+        if self.timer is not None:
+            self.timer.attention += time.perf_counter() - started
         return out.transpose(0, 1)[None]  # (1, H, N, d)
 
     def advance(self, num_new_tokens: int) -> None:

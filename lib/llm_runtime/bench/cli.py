@@ -124,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
         report = run_benchmark(workload, runners, model.config, peaks=peaks, num_check=args.num_check,
                                progress=not args.no_progress)
         print(report.table(), flush=True)
+        for line in _step_breakdowns(report):
+            print(line)
         reports.append((rate, report))
     summary = {"model": args.model or "bundled SmolLM2-135M-Instruct", "device": str(model.device),
                "dtype": str(model.dtype), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -132,6 +134,20 @@ def run(args: argparse.Namespace) -> int:
     _plot(reports, out)
     print(f"\nwrote {out / 'bench.json'} and plots in {out}/")
     return 0
+
+
+def _step_breakdowns(report) -> list[str]:
+    """Where this package's engine spent its step time, per engine run: the phases, and attention within."""
+    lines = []
+    for name, info in report.info.items():
+        profile = info.get("step_profile") if isinstance(info, dict) else None
+        if not profile:
+            continue
+        phases = ("schedule", "prepare", "forward", "sample", "postprocess")
+        shares = ", ".join(f"{phase} {100 * profile[f'{phase}_fraction']:.1f}%" for phase in phases)
+        backend = info.get("stats", {}).get("attention_backend", "?")
+        lines.append(f"{name} step time: {shares}; attention ({backend}) {100 * profile['attention_fraction']:.1f}%")
+    return lines
 
 
 def _engine_kv_cache_bytes(model: CausalLM, engine_options: dict[str, int]) -> int:

@@ -42,11 +42,15 @@ class StepProfile:
     forward: float = 0.0  # the model and the logits
     sample: float = 0.0  # the sampler and the copy of sampled tokens to the host
     postprocess: float = 0.0  # appending tokens, stop rules, freeing blocks, outputs
+    # Part of `forward`: the attention layers (storing K/V and attending), timed around each layer's call
+    # (lesson 11). On CUDA it only sees the kernel launches.
+    attention: float = 0.0
 
     def fractions(self) -> dict[str, float]:
-        phases = [f.name for f in fields(self) if f.name != "num_steps"]
+        """Each phase's share of step time (the five phases sum to 1), and attention's share of it."""
+        phases = [f.name for f in fields(self) if f.name not in ("num_steps", "attention")]
         total = sum(getattr(self, name) for name in phases) or 1.0
-        return {name: getattr(self, name) / total for name in phases}
+        return {**{name: getattr(self, name) / total for name in phases}, "attention": self.attention / total}
 
 
 @dataclass
@@ -86,7 +90,7 @@ class ModelRunner:
         metadata = AttentionMetadata.build([item.block_table for item in batch.items],
                                            [item.start for item in batch.items], counts,
                                            block_size=self.kv_cache.block_size, device=device)
-        kv = PagedAttentionStep(self.kv_cache, self.attention_backend, metadata)
+        kv = PagedAttentionStep(self.kv_cache, self.attention_backend, metadata, self.profile)
         input_ids = torch.tensor([token_ids], device=device)  # (1, N)
         position_ids = torch.tensor([positions], device=device)
         prepared = time.perf_counter()
