@@ -513,6 +513,67 @@ def is_busy_ignoring_the_burst(num_waiting: int, num_new: int, max_waiting_reque
     return num_waiting >= max_waiting_requests
 
 
+# ------------------------------------------------------------------------------------------ lesson 11
+
+
+def merge_attention(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    lse = torch.logaddexp(lse1, lse2)  # (H, L): log(e^lse1 + e^lse2), without overflow
+    return torch.exp(lse1 - lse)[..., None] * out1 + torch.exp(lse2 - lse)[..., None] * out2
+
+
+def merge_attention_equal_weights(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
+                                  lse2: torch.Tensor) -> torch.Tensor:
+    """Averages the two outputs, as if both sets held the same softmax mass."""
+    return (out1 + out2) / 2
+
+
+def merge_attention_without_the_max(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
+                                    lse2: torch.Tensor) -> torch.Tensor:
+    """Right algebra, but exp(lse) overflows to inf for large scores: inf / inf is NaN."""
+    weight1, weight2 = torch.exp(lse1)[..., None], torch.exp(lse2)[..., None]
+    return (weight1 * out1 + weight2 * out2) / (weight1 + weight2)
+
+
+def _paged_decode(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, block_table: list[int],
+                  seq_len: int, rescale: bool = True, whole_blocks: bool = False) -> torch.Tensor:
+    num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_pool.shape[1], key_pool.shape[2]
+    kv_head = torch.arange(num_heads) // (num_heads // num_kv_heads)  # (H,) the KV head each query head reads
+    running_max = torch.full((num_heads,), -math.inf, dtype=query.dtype)
+    running_sum = torch.zeros(num_heads, dtype=query.dtype)
+    acc = torch.zeros(num_heads, head_dim, dtype=query.dtype)
+    for first in range(0, seq_len, block_size):
+        block = block_table[first // block_size]
+        used = block_size if whole_blocks else min(block_size, seq_len - first)
+        keys = key_pool[block, :used][:, kv_head]  # (used, H, d)
+        values = value_pool[block, :used][:, kv_head]
+        scores = torch.einsum("hd,thd->ht", query, keys) * head_dim**-0.5  # (H, used)
+        new_max = torch.maximum(running_max, scores.max(dim=1).values)
+        alpha = torch.exp(running_max - new_max) if rescale else torch.ones_like(new_max)
+        p = torch.exp(scores - new_max[:, None])  # (H, used)
+        running_sum = running_sum * alpha + p.sum(dim=1)
+        acc = acc * alpha[:, None] + torch.einsum("ht,thd->hd", p, values)
+        running_max = new_max
+    return acc / running_sum[:, None]
+
+
+def paged_decode(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, block_table: list[int],
+                 seq_len: int) -> torch.Tensor:
+    return _paged_decode(query, key_pool, value_pool, block_table, seq_len)
+
+
+def paged_decode_without_rescaling(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                                   block_table: list[int], seq_len: int) -> torch.Tensor:
+    """Forgets to rescale what was accumulated when the running max grows."""
+    return _paged_decode(query, key_pool, value_pool, block_table, seq_len, rescale=False)
+
+
+def paged_decode_whole_last_block(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                                  block_table: list[int], seq_len: int) -> torch.Tensor:
+    """Attends over every slot of the last block, past seq_len too."""
+    return _paged_decode(query, key_pool, value_pool, block_table, seq_len, whole_blocks=True)
+
+
 # ------------------------------------------------------------------------------------------ the index
 SOLUTIONS: dict[str, Callable] = {
     "lesson01.rms_norm": rms_norm,
@@ -538,6 +599,8 @@ SOLUTIONS: dict[str, Callable] = {
     "lesson09.latency_percentile": latency_percentile,
     "lesson10.parse_chat_stream": parse_chat_stream,
     "lesson10.is_busy": is_busy,
+    "lesson11.merge_attention": merge_attention,
+    "lesson11.paged_decode": paged_decode,
 }
 
 WRONG: dict[str, list[Callable]] = {
@@ -564,4 +627,6 @@ WRONG: dict[str, list[Callable]] = {
     "lesson09.latency_percentile": [latency_percentile_nearest_rank],
     "lesson10.parse_chat_stream": [parse_chat_stream_first_choice_only, parse_chat_stream_searching_for_done],
     "lesson10.is_busy": [is_busy_when_full, is_busy_ignoring_the_burst],
+    "lesson11.merge_attention": [merge_attention_equal_weights, merge_attention_without_the_max],
+    "lesson11.paged_decode": [paged_decode_without_rescaling, paged_decode_whole_last_block],
 }
