@@ -10,6 +10,7 @@ T4 and an H100 (no GPU needed for that).
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -282,9 +283,6 @@ for kernel, values in launches:
 @pytest.mark.parametrize("arch,dtype,head_dim,per_kv", [(75, "float16", 80, 3), (90, "bfloat16", 128, 8)],
                          ids=["t4-fp16", "h100-bf16"])
 def test_kernels_compile_for_gpu_targets(tmp_path, arch: int, dtype: str, head_dim: int, per_kv: int) -> None:
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
     result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, str(arch), dtype, str(head_dim), str(per_kv)],
                             check=False, env=env, capture_output=True, text=True, timeout=300)
