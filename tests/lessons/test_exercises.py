@@ -1,11 +1,11 @@
 """The exercise checkers: each accepts its reference solution, rejects plausible wrong answers naming the
-input that shows the mistake, calls a stub "not attempted", never raises, and runs in under two seconds."""
+input that shows the mistake, calls a stub "not attempted" and never raises. (How long a checker takes is not
+asserted: timings on a shared CI machine are noise, and the guide keeps them out of unit tests.)"""
 
 from __future__ import annotations
 
 import importlib
 import inspect
-import time
 from collections.abc import Callable
 
 import pytest
@@ -14,7 +14,6 @@ from llm_runtime.lessons.exercises import LESSONS, Verdict
 from solutions import SOLUTIONS, WRONG
 
 CHECKER_PREFIX = "check_"
-TIME_LIMIT_SECONDS = 2.0
 
 
 def _checkers() -> dict[str, Callable[[object], Verdict]]:
@@ -51,14 +50,11 @@ def test_every_lesson_module_lists_its_exercises() -> None:
 
 
 @pytest.mark.parametrize("key", sorted(CHECKERS))
-def test_the_solution_passes_quickly(key: str) -> None:
-    started = time.perf_counter()
+def test_the_solution_passes(key: str) -> None:
     verdict = CHECKERS[key](SOLUTIONS[key])
-    elapsed = time.perf_counter() - started
     assert isinstance(verdict, Verdict)
     assert verdict.passed and verdict.attempted and bool(verdict), verdict.message
     assert "All " in verdict.message and "agree with" in verdict.message
-    assert elapsed < TIME_LIMIT_SECONDS, f"{key} took {elapsed:.2f} s"
 
 
 @pytest.mark.parametrize("key, wrong", WRONG_ANSWERS, ids=[wrong.__name__ for _, wrong in WRONG_ANSWERS])
