@@ -145,7 +145,7 @@ DEFAULT_CPU_DEVICE_MEMORY = 2 << 30
 
 # Attention backends by name (attention/selector.py holds the classes); "auto" picks by device and
 # what is installed. The environment variable overrides "auto" (read once, when an engine is built).
-ATTENTION_BACKENDS = ("auto", "torch-gather", "blockwise", "flex", "triton", "flash-attn")
+ATTENTION_BACKENDS = ("auto", "torch-gather", "blockwise", "cpu", "flex", "triton", "flash-attn")
 ATTENTION_BACKEND_ENV = "LLM_RUNTIME_ATTENTION_BACKEND"
 
 

@@ -62,7 +62,11 @@ def test_prefix_hits_forks_and_preemption(tiny_pairs, backend: str) -> None:
 
 def test_backend_by_environment_variable_and_automatic_choice(tiny_pairs, monkeypatch) -> None:
     model, _ = tiny_pairs["llama2"]
-    assert LLMEngine(model, None, EngineConfig()).stats().attention_backend == "blockwise"  # the CPU's default
+    # The CPU's default: the C kernel where it builds, in float32 and bfloat16; block-wise in float64.
+    assert LLMEngine(model, None, EngineConfig()).stats().attention_backend == "blockwise"
+    expected = "cpu" if available_backends("cpu", torch.float32)["cpu"] is None else "blockwise"
+    float_model = copy.deepcopy(model).float()
+    assert LLMEngine(float_model, None, EngineConfig()).stats().attention_backend == expected
     monkeypatch.setenv(ATTENTION_BACKEND_ENV, "torch-gather")
     assert LLMEngine(model, None, EngineConfig()).stats().attention_backend == "torch-gather"
     # A backend named in the config wins over the environment.
@@ -101,3 +105,24 @@ def test_triton_kernels_in_the_engine_give_the_reference_backends_tokens(tiny_pa
         assert engine.stats().prefix_cache_hit_tokens > 0
         tokens[backend] = finished
     assert tokens["triton"] == tokens["torch-gather"]
+
+
+def test_the_c_kernel_in_the_engine_gives_the_reference_backends_tokens(tiny_pairs) -> None:
+    """The `cpu` backend (decodes by the C kernel) in float32: the torch-gather engine's greedy tokens
+    through chunked prefill, prefix hits, forks (n > 1) and preemption, with no block leaked."""
+    if available_backends("cpu", torch.float32)["cpu"] is not None:
+        pytest.skip("no C compiler builds the kernel here")
+    model = copy.deepcopy(tiny_pairs["qwen3"][0]).float()  # 4 query heads over 2 KV heads
+    workload = shared_prefix_workload(model.config.vocab_size, num_requests=24, seed=2)
+    largest = max(-(-(len(prompt) + p.max_tokens) // BLOCK_SIZE) for prompt, p in workload)
+    tokens = {}
+    for backend in ("torch-gather", "cpu"):
+        engine = LLMEngine(model, None, EngineConfig(
+            max_num_seqs=16, max_num_batched_tokens=128, block_size=BLOCK_SIZE,
+            num_kv_blocks=max(blocks_unconstrained(workload) * 15 // 100, largest), enable_prefix_caching=True,
+            attention_backend=backend))
+        tokens[backend] = run_all(engine, workload, arrive_every=1)
+        stats = engine.stats()
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
+        assert_no_leak(engine)
+    assert tokens["cpu"] == tokens["torch-gather"]

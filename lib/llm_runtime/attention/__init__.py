@@ -4,7 +4,8 @@
 contiguous tensor per sequence, or the engine's paged pool). The engine's paged attention goes
 through a backend (`backend.py`), which reads one `AttentionMetadata` per step (`metadata.py`):
 `torch_gather.py` is the reference, which gathers each sequence's blocks out of the pool before
-attending; `blockwise.py` walks the block table with an online softmax; `triton_kernels.py` reads
+attending; `blockwise.py` walks the block table with an online softmax; `cpu_backend.py` runs decodes
+through this package's C kernel (`cpu_kernels.py`, `csrc/`) on the CPU; `triton_kernels.py` reads
 blocks where they lie on a GPU; `selector.py` picks one by device and what is installed.
 """
 

@@ -115,14 +115,15 @@ class BlockwiseBackend(AttentionBackend):
 
     # ---------------------------------------------------------------- per step
     def plan(self, metadata: AttentionMetadata) -> BlockwisePlan:
+        return BlockwisePlan(self._plan_decode_groups(metadata), self._plan_prefills(metadata))
+
+    def _plan_prefills(self, metadata: AttentionMetadata) -> list[PrefillChunk]:
+        """Each prefill chunk's rows and the tiles of its cached prefix."""
         size = metadata.block_size
         device = metadata.block_tables.device
         tile_blocks = max(1, self.tile_tokens // size)
         tables, seq_lens = metadata.block_tables_host, metadata.seq_lens_host
-        offsets = [0]
-        for count in metadata.query_lens_host:
-            offsets.append(offsets[-1] + count)
-
+        offsets = row_offsets(metadata)
         prefills = []
         for b, count in enumerate(metadata.query_lens_host):
             if count == 1:
@@ -134,8 +135,15 @@ class BlockwiseBackend(AttentionBackend):
                 blocks = tables[b][first // size : (first + used + size - 1) // size]
                 tiles.append((torch.tensor(blocks, device=device), used))
             prefills.append(PrefillChunk(offsets[b], offsets[b + 1], tiles))
+        return prefills
 
-        # Decodes: sorted by length, in groups of similar length (little padding) and bounded size.
+    def _plan_decode_groups(self, metadata: AttentionMetadata) -> list[DecodeGroup]:
+        """Decodes sorted by length, in groups of similar length (little padding) and bounded size."""
+        size = metadata.block_size
+        device = metadata.block_tables.device
+        tile_blocks = max(1, self.tile_tokens // size)
+        tables, seq_lens = metadata.block_tables_host, metadata.seq_lens_host
+        offsets = row_offsets(metadata)
         decode_groups = []
         decodes = sorted(metadata.decode_rows, key=lambda b: seq_lens[b])
         while decodes:
@@ -163,7 +171,7 @@ class BlockwiseBackend(AttentionBackend):
                                   empty if bool(empty.any()) else None))
             rows = torch.tensor([offsets[b] for b in group], device=device)
             decode_groups.append(DecodeGroup(rows, tiles))
-        return BlockwisePlan(decode_groups, prefills)
+        return decode_groups
 
     # ---------------------------------------------------------------- per layer
     def _read(self, pool: torch.Tensor, blocks: torch.Tensor, slot: int) -> torch.Tensor:
@@ -181,8 +189,15 @@ class BlockwiseBackend(AttentionBackend):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,
                 value_pool: torch.Tensor, plan: BlockwisePlan) -> torch.Tensor:
         out = torch.empty_like(query)  # (N, H, d)
-        size, num_kv_heads, head_dim = key_pool.shape[1:]
-        for group in plan.decode_groups:
+        self._attend_decode_groups(query, key_pool, value_pool, plan.decode_groups, out)
+        self._attend_prefills(query, key, value, key_pool, value_pool, plan.prefills, out)
+        return out
+
+    def _attend_decode_groups(self, query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                              decode_groups: list[DecodeGroup], out: torch.Tensor) -> None:
+        """out[row] for every decode row: tile by tile, merged by log-sum-exp."""
+        num_kv_heads, head_dim = key_pool.shape[2:]
+        for group in decode_groups:
             q = query.index_select(0, group.rows)[:, :, None]  # (G, H, 1, d)
             num_rows = q.shape[0]
             outs, lses = [], []
@@ -196,7 +211,13 @@ class BlockwiseBackend(AttentionBackend):
                 outs.append(o)
                 lses.append(lse)
             out.index_copy_(0, group.rows, merge_partials(outs, lses)[:, :, 0])  # (G, H, d)
-        for chunk in plan.prefills:
+
+    def _attend_prefills(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         key_pool: torch.Tensor, value_pool: torch.Tensor, prefills: list[PrefillChunk],
+                         out: torch.Tensor) -> None:
+        """out[begin:end] for every prefill chunk: its cached prefix in tiles, then its own keys causally."""
+        num_kv_heads, head_dim = key_pool.shape[2:]
+        for chunk in prefills:
             q = query[chunk.begin : chunk.end].transpose(0, 1)[None]  # (1, H, T, d)
             outs, lses = [], []  # first the cached prefix, tile by tile, then the chunk's own keys
             for blocks, used in chunk.prefix_tiles:
@@ -212,4 +233,11 @@ class BlockwiseBackend(AttentionBackend):
             outs.append(o)
             lses.append(lse)
             out[chunk.begin : chunk.end] = merge_partials(outs, lses)[0].transpose(0, 1)  # (T, H, d)
-        return out
+
+
+def row_offsets(metadata: AttentionMetadata) -> list[int]:
+    """Where each sequence's rows start in the flat batch (and, last, the batch size)."""
+    offsets = [0]
+    for count in metadata.query_lens_host:
+        offsets.append(offsets[-1] + count)
+    return offsets

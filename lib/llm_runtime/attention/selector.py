@@ -2,7 +2,8 @@
 
 `EngineConfig(attention_backend=...)` names one; "auto" lets the environment variable
 `LLM_RUNTIME_ATTENTION_BACKEND` choose, and without it the order below does: on CUDA,
-FlashAttention (sm80+, half precision) then this package's Triton kernels; on the CPU, the block-wise
+FlashAttention (sm80+, half precision) then this package's Triton kernels; on the CPU, this package's
+C kernel for decodes (float32 and bfloat16, where a C compiler builds it), else the block-wise
 PyTorch backend. `torch-gather` is never picked: it is the reference the others are tested against.
 """
 
@@ -20,11 +21,12 @@ from .backend import AttentionBackend
 _REGISTRY = {
     "torch-gather": ("torch_gather", "TorchGatherBackend"),
     "blockwise": ("blockwise", "BlockwiseBackend"),
+    "cpu": ("cpu_backend", "CpuKernelBackend"),
     "flex": ("flex", "FlexAttentionBackend"),
     "triton": ("triton_backend", "TritonBackend"),
     "flash-attn": ("flash", "FlashAttentionBackend"),
 }
-_AUTO_ORDER = {"cuda": ("flash-attn", "triton", "blockwise"), "cpu": ("blockwise",)}
+_AUTO_ORDER = {"cuda": ("flash-attn", "triton", "blockwise"), "cpu": ("cpu", "blockwise")}
 assert set(_REGISTRY) == set(ATTENTION_BACKENDS) - {"auto"}, "config.ATTENTION_BACKENDS and the registry disagree"
 
 

@@ -1,0 +1,179 @@
+"""This package's C kernel for paged decode attention on the CPU: compiled on first use, called with ctypes.
+
+PyTorch has no CPU operator that reads keys where they lie in a paged pool, so the `cpu` backend
+brings its own: `csrc/paged_decode.c`, plain C with OpenMP (the file explains the algorithm). It
+includes no PyTorch header, so the system C compiler builds it in about a second the first time a
+process needs it; the shared library is cached under $XDG_CACHE_HOME/llm_runtime/kernels, keyed
+by the source, the compiler flags and the machine, and loaded with ctypes. PyTorch tensors are
+passed as raw pointers, so the wrapper checks every dtype, layout and shape the C code assumes.
+
+Without a working C compiler (or on a platform where none of the flag sets below builds),
+`load_library` raises `KernelUnavailable` with the compiler's message, and the engine picks the
+block-wise backend instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..model.bundled import default_cache_dir
+
+SOURCE_DIR = Path(__file__).parent / "csrc"
+SOURCES = ("paged_decode.c", "paged_decode_body.h")
+# Tried in order: the fastest build this compiler accepts. -march=native lets it use the machine's
+# widest vectors (AVX-512 here); -fopenmp uses the libgomp PyTorch already loaded, so both share threads.
+FLAG_SETS = (
+    ("-O3", "-march=native", "-fopenmp"),
+    ("-O3", "-fopenmp"),
+    ("-O3",),
+)
+KERNEL_DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+
+
+class KernelUnavailable(RuntimeError):
+    """The C kernel cannot be built or loaded here (no compiler, or it rejected every flag set)."""
+
+
+def _cache_key(compiler: str, flags: tuple[str, ...]) -> str:
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((SOURCE_DIR / name).read_bytes())
+    # -march=native builds for this CPU; the machine's identity keeps another machine's build apart.
+    digest.update(" ".join((compiler, *flags, platform.machine(), platform.node(), torch.__version__)).encode())
+    return digest.hexdigest()[:16]
+
+
+def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
+    """Build the library at `target` (atomically); None on success, else the compiler's message."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(handle)
+    command = [compiler, *flags, "-fPIC", "-shared", "-I", str(SOURCE_DIR),
+               str(SOURCE_DIR / "paged_decode.c"), "-o", scratch]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        Path(scratch).unlink(missing_ok=True)
+        return str(error)
+    if result.returncode != 0:
+        Path(scratch).unlink(missing_ok=True)
+        return result.stderr.strip()[-500:] or f"{compiler} exited with {result.returncode}"
+    os.replace(scratch, target)  # another process may have built the same file: either copy is right
+    return None
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL:
+    """The compiled kernel library (built on first call, then cached on disk and in this process)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        raise KernelUnavailable("no C compiler found (set CC, or install gcc or clang)")
+    folder = default_cache_dir() / "kernels"
+    errors = []
+    for flags in FLAG_SETS:
+        target = folder / f"paged_decode-{_cache_key(compiler, flags)}.so"
+        error = None if target.is_file() else _compile(compiler, flags, target)
+        if error is None:
+            library = ctypes.CDLL(str(target))
+            for symbol in KERNEL_DTYPES.values():
+                function = getattr(library, symbol)
+                function.restype = ctypes.c_int
+                function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # query, strides
+                                     ctypes.c_void_p, ctypes.c_void_p,  # key_pool, value_pool
+                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # tables, stride, seq_lens
+                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # rows, num_seqs, out
+                                     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float]
+            return library
+        errors.append(f"{compiler} {' '.join(flags)}: {error}")
+    raise KernelUnavailable("the C kernel did not compile:\n" + "\n".join(errors))
+
+
+def kernel_unavailable_reason() -> str | None:
+    """None when the kernel builds and loads here; otherwise why not."""
+    try:
+        load_library()
+    except KernelUnavailable as error:
+        return str(error)
+    return None
+
+
+def paged_decode(
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rows: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    indices_checked: bool = False,
+) -> None:
+    """Write into out[rows[b]] (num_heads, d) the attention of query[rows[b]] over the first seq_lens[b]
+    keys of sequence b's blocks (block_tables[b]), for every b: one decode per sequence.
+
+    query (N, H, d) with its last dimension contiguous; key_pool, value_pool (num_blocks, block_size,
+    KV, d) contiguous; block_tables (B, max_blocks) int32 contiguous; seq_lens (B,) int32; rows (B,)
+    int64; out (N, H, d) contiguous. All on the CPU, query, pools and out of one dtype in KERNEL_DTYPES.
+    The C code trusts the indices, so they are checked here (`check_indices`) unless the caller has
+    already checked these same tensors (`indices_checked=True`: once per step, not once per layer).
+    """
+    dtype = query.dtype
+    if dtype not in KERNEL_DTYPES or not (key_pool.dtype == value_pool.dtype == out.dtype == dtype):
+        raise TypeError(f"the C kernel takes {', '.join(map(str, KERNEL_DTYPES))} throughout, "
+                        f"got query {dtype}, pools {key_pool.dtype}/{value_pool.dtype}, out {out.dtype}")
+    tensors = (query, key_pool, value_pool, block_tables, seq_lens, rows, out)
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError("the C kernel runs on CPU tensors only")
+    if not (key_pool.is_contiguous() and value_pool.is_contiguous() and out.is_contiguous()
+            and block_tables.is_contiguous() and seq_lens.is_contiguous() and rows.is_contiguous()):
+        raise ValueError("pools, out, block_tables, seq_lens and rows must be contiguous")
+    if query.stride(-1) != 1:
+        raise ValueError("query's last dimension must be contiguous")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or rows.dtype != torch.int64:
+        raise TypeError("block_tables and seq_lens are int32, rows int64")
+    num_seqs = rows.shape[0]
+    if block_tables.shape[0] != num_seqs or seq_lens.shape[0] != num_seqs:
+        raise ValueError(f"{num_seqs} rows but {block_tables.shape[0]} block tables, {seq_lens.shape[0]} lengths")
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, pool_head_dim = key_pool.shape
+    if out.shape != query.shape or pool_head_dim != head_dim or value_pool.shape != key_pool.shape:
+        raise ValueError(f"shapes disagree: query {tuple(query.shape)}, out {tuple(out.shape)}, "
+                         f"pools {tuple(key_pool.shape)} / {tuple(value_pool.shape)}")
+    if num_seqs == 0:
+        return
+    if not indices_checked:
+        check_indices(block_tables, seq_lens, rows, num_rows=query.shape[0], num_blocks=key_pool.shape[0],
+                      block_size=block_size)
+    function = getattr(load_library(), KERNEL_DTYPES[dtype])
+    status = function(query.data_ptr(), query.stride(0), query.stride(1), key_pool.data_ptr(),
+                      value_pool.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+                      seq_lens.data_ptr(), rows.data_ptr(), num_seqs, out.data_ptr(),
+                      num_heads, num_kv_heads, head_dim, block_size, head_dim ** -0.5)
+    if status != 0:
+        raise ValueError(f"the C kernel does not handle {num_heads} heads over {num_kv_heads} KV heads "
+                         f"of dim {head_dim} (at most 256 query heads, and heads x head dim at most 16384)")
+
+
+def check_indices(block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor, *, num_rows: int,
+                  num_blocks: int, block_size: int) -> None:
+    """ValueError unless every index the kernel will follow stays inside its tensor: rows in the batch,
+    lengths within the table, table entries within the pool (the C code does no bounds checks)."""
+    if rows.numel() == 0:
+        return
+    if int(rows.min()) < 0 or int(rows.max()) >= num_rows:
+        raise ValueError(f"rows must lie in [0, {num_rows})")
+    if int(seq_lens.min()) < 1 or int(seq_lens.max()) > block_tables.shape[1] * block_size:
+        raise ValueError(f"seq_lens must lie in [1, {block_tables.shape[1] * block_size}] for tables of "
+                         f"{block_tables.shape[1]} blocks of {block_size}")
+    if block_tables.numel() and (int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks):
+        raise ValueError(f"block table entries must lie in [0, {num_blocks})")

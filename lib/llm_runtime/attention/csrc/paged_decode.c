@@ -1,0 +1,166 @@
+/*
+ * Paged decode attention on the CPU, reading keys and values where they lie in the block pool.
+ *
+ * The same algorithm as the Triton kernel's decode path (lesson 11), written as plain C so the
+ * compiler can vectorize it and OpenMP can spread it over the cores: one work item per sequence;
+ * it walks the sequence's block table, and for every chunk of keys updates an online softmax for
+ * every query head, so each key and value is read from memory once per step and layer. Nothing is
+ * copied out of the pool and no mask is built.
+ *
+ * Exported: paged_decode_f32 and paged_decode_bf16 (the body is paged_decode_body.h, included once
+ * per element type). Each returns 0, or 1 for shapes it does not handle.
+ *
+ * Layouts (all row-major, element strides):
+ *   query      (N, H, d)  rows `rows[b]` are the decodes; q_row_stride / q_head_stride given, d contiguous
+ *   key_pool   (num_blocks, block_size, KV, d) contiguous; value_pool the same
+ *   block_tables (B, table_stride) int32; seq_lens (B,) int32; rows (B,) int64
+ *   out        (N, H, d) contiguous; only the decode rows are written
+ *
+ * Python loads this file with ctypes (cpu_kernel.py): no PyTorch headers, so it compiles in a
+ * second. OpenMP here is the same libgomp PyTorch already loaded, so the threads are PyTorch's.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define CHUNK 16 /* keys whose scores are held at once */
+#define PREFETCH_AHEAD 2 /* chunks between a prefetch and its use (16 and 2 measured fastest here) */
+#define MAX_HEADS 256 /* query heads */
+#define MAX_STATE 16384 /* query heads x head dim: the per-sequence state kept on the stack */
+
+/* exp(x) for x <= 0, as 2^(x log2 e) = 2^integer * 2^fraction: the fraction by a degree-6
+ * polynomial (relative error about 2e-7), the integer written into the exponent bits. Unlike
+ * libm's expf, the compiler can vectorize a loop that calls it. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;  /* below this exp(x) is under float's smallest normal: ~0 */
+    const float t = x * 1.44269504f;
+    const float whole = floorf(t);
+    const float f = t - whole;  /* in [0, 1) */
+    float p = 1.5353362e-4f;
+    p = p * f + 1.3398874e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022650e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;  /* 2^f */
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)whole + 127) << 23;  /* 2^whole, whole in [-126, 0] */
+    return p * scale.f;
+}
+
+static inline float bf16_to_float(uint16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as PyTorch does */
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* NaN stays NaN */
+    v.u += 0x7fffu + ((v.u >> 16) & 1u);
+    return (uint16_t)(v.u >> 16);
+}
+
+/* Ask for one pool slot's keys and values (every KV head: slot_bytes each) to be brought into L2. */
+static inline void prefetch_slot(const void *key_pool, const void *value_pool, const int32_t *table,
+                                 int block_size, int position, int64_t slot_bytes) {
+    const int64_t slot = (int64_t)table[position / block_size] * block_size + position % block_size;
+    const char *k = (const char *)key_pool + slot * slot_bytes;
+    const char *v = (const char *)value_pool + slot * slot_bytes;
+    for (int64_t byte = 0; byte < slot_bytes; byte += 64) {
+        __builtin_prefetch(k + byte, 0, 2);
+        __builtin_prefetch(v + byte, 0, 2);
+    }
+}
+
+/* q . k over d elements, q in float and k in the pool's type. A single running sum would chain
+ * every addition, and GCC reduces an `omp simd` sum through memory one lane at a time (about 60
+ * cycles a dot, which made this kernel compute-bound): so 16 lanes with AVX-512 or 8 with AVX2,
+ * then one horizontal sum; plain C elsewhere. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline float dot_f32(const float *q, const float *k, int d) {
+    __m512 sum = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= d; i += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), sum);
+    float total = _mm512_reduce_add_ps(sum);
+    for (; i < d; i++) total += q[i] * k[i];
+    return total;
+}
+static inline float dot_bf16(const float *q, const uint16_t *k, int d) {
+    __m512 sum = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= d; i += 16) {  /* bfloat16 is the top half of a float: widen, shift left 16 */
+        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(k + i)));
+        sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)), sum);
+    }
+    float total = _mm512_reduce_add_ps(sum);
+    for (; i < d; i++) total += q[i] * bf16_to_float(k[i]);
+    return total;
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+static inline float sum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+static inline float dot_f32(const float *q, const float *k, int d) {
+    __m256 sum = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= d; i += 8) sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), sum);
+    float total = sum8(sum);
+    for (; i < d; i++) total += q[i] * k[i];
+    return total;
+}
+static inline float dot_bf16(const float *q, const uint16_t *k, int d) {
+    __m256 sum = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= d; i += 8) {
+        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(k + i)));
+        sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)), sum);
+    }
+    float total = sum8(sum);
+    for (; i < d; i++) total += q[i] * bf16_to_float(k[i]);
+    return total;
+}
+#else
+static inline float dot_f32(const float *q, const float *k, int d) {
+    float part[8] = {0.0f};
+    int i = 0;
+    for (; i + 8 <= d; i += 8)
+        for (int j = 0; j < 8; j++) part[j] += q[i + j] * k[i + j];
+    for (; i < d; i++) part[0] += q[i] * k[i];
+    return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+}
+static inline float dot_bf16(const float *q, const uint16_t *k, int d) {
+    float part[8] = {0.0f};
+    int i = 0;
+    for (; i + 8 <= d; i += 8)
+        for (int j = 0; j < 8; j++) part[j] += q[i + j] * bf16_to_float(k[i + j]);
+    for (; i < d; i++) part[0] += q[i] * bf16_to_float(k[i]);
+    return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+}
+#endif
+
+#define NAME paged_decode_f32
+#define T float
+#define LOAD(x) (x)
+#define STORE(x) (x)
+#define DOT dot_f32
+#include "paged_decode_body.h"
+#undef NAME
+#undef T
+#undef LOAD
+#undef STORE
+#undef DOT
+
+#define NAME paged_decode_bf16
+#define T uint16_t
+#define LOAD(x) bf16_to_float(x)
+#define STORE(x) float_to_bf16(x)
+#define DOT dot_bf16
+#include "paged_decode_body.h"

@@ -1,0 +1,97 @@
+/*
+ * The kernel's body, included once per element type by paged_decode.c with three macros set:
+ * NAME (the exported function), T (the storage type), LOAD / STORE (one element to and from
+ * float) and DOT (a float query row against a row of T). Accumulation is always float32.
+ *
+ * One work item per sequence b. It walks the sequence's block table CHUNK keys at a time; a key's
+ * slot holds all KV heads side by side, so the chunk is read as whole cache lines, and the chunk
+ * after next is prefetched while this one is computed. For every chunk and KV head g, it computes the scores of the
+ * query heads that share g, then updates their online softmax (running maximum, running sum,
+ * running numerator): each key and value is read from memory once per step and layer.
+ */
+int NAME(const T *query, int64_t q_row_stride, int64_t q_head_stride,
+         const T *key_pool, const T *value_pool,
+         const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+         const int64_t *rows, int64_t num_seqs, T *out,
+         int num_heads, int num_kv_heads, int head_dim, int block_size, float scale) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads || block_size <= 0
+        || (int64_t)num_heads * head_dim > MAX_STATE || num_heads > MAX_HEADS)
+        return 1;
+    const int group = num_heads / num_kv_heads;
+    const int64_t slot_stride = (int64_t)num_kv_heads * head_dim;  /* one pool slot: every KV head */
+    const int64_t slot_bytes = slot_stride * (int64_t)sizeof(T);
+
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t b = 0; b < num_seqs; b++) {
+        const int length = seq_lens[b];
+        const int32_t *table = block_tables + b * table_stride;
+        float q[MAX_STATE];    /* the queries (head h at h * head_dim), times the softmax scale */
+        float acc[MAX_STATE];  /* running numerators: sum over keys of p * v, per head */
+        float running_max[MAX_HEADS], running_sum[MAX_HEADS], scores[MAX_HEADS][CHUNK];
+
+        for (int h = 0; h < num_heads; h++) {
+            const T *src = query + rows[b] * q_row_stride + (int64_t)h * q_head_stride;
+            for (int i = 0; i < head_dim; i++) q[h * head_dim + i] = LOAD(src[i]) * scale;
+            memset(acc + h * head_dim, 0, sizeof(float) * head_dim);
+            running_max[h] = -FLT_MAX;
+            running_sum[h] = 0.0f;
+        }
+
+        /* Blocks lie anywhere in the pool, so the hardware prefetcher cannot guess where the next
+           keys are; ask for them (into L2) two chunks ahead of the one being computed. */
+        for (int position = 0; position < PREFETCH_AHEAD * CHUNK && position < length; position++)
+            prefetch_slot(key_pool, value_pool, table, block_size, position, slot_bytes);
+        for (int first = 0; first < length; first += CHUNK) {
+            /* Where keys first .. first + n - 1 lie: pool slot = block * block_size + offset. */
+            const int n = length - first < CHUNK ? length - first : CHUNK;
+            int64_t slots[CHUNK];
+            for (int t = 0; t < n; t++) {
+                const int position = first + t;
+                slots[t] = (int64_t)table[position / block_size] * block_size + position % block_size;
+            }
+            const int ahead = first + PREFETCH_AHEAD * CHUNK;
+            for (int position = ahead; position < ahead + CHUNK && position < length; position++)
+                prefetch_slot(key_pool, value_pool, table, block_size, position, slot_bytes);
+            for (int g = 0; g < num_kv_heads; g++) {
+                const int h0 = g * group;  /* query heads h0 .. h0 + group - 1 share KV head g */
+                /* 1. Scores of this chunk, s = q . k: each key loaded once for the group's heads. */
+                for (int t = 0; t < n; t++) {
+                    const T *k = key_pool + slots[t] * slot_stride + (int64_t)g * head_dim;
+                    for (int h = h0; h < h0 + group; h++) scores[h][t] = DOT(q + h * head_dim, k, head_dim);
+                }
+                /* 2. The online softmax: a new running maximum, what was summed under the old one
+                      rescaled, and this chunk's weights p = exp(s - max) added to the running sum. */
+                for (int h = h0; h < h0 + group; h++) {
+                    float chunk_max = running_max[h];
+                    for (int t = 0; t < n; t++) chunk_max = scores[h][t] > chunk_max ? scores[h][t] : chunk_max;
+                    const float correction = exp_nonpositive(running_max[h] - chunk_max);
+                    float chunk_sum = 0.0f;
+                    for (int t = 0; t < n; t++) scores[h][t] = exp_nonpositive(scores[h][t] - chunk_max);  /* p */
+                    for (int t = 0; t < n; t++) chunk_sum += scores[h][t];
+                    running_sum[h] = running_sum[h] * correction + chunk_sum;
+                    running_max[h] = chunk_max;
+                    float *a = acc + h * head_dim;
+                    #pragma omp simd
+                    for (int i = 0; i < head_dim; i++) a[i] *= correction;
+                }
+                /* 3. The numerators: acc += p * v, each value loaded once for the group's heads. */
+                for (int t = 0; t < n; t++) {
+                    const T *v = value_pool + slots[t] * slot_stride + (int64_t)g * head_dim;
+                    for (int h = h0; h < h0 + group; h++) {
+                        const float p = scores[h][t];
+                        float *a = acc + h * head_dim;
+                        #pragma omp simd
+                        for (int i = 0; i < head_dim; i++) a[i] += p * LOAD(v[i]);
+                    }
+                }
+            }
+        }
+
+        for (int h = 0; h < num_heads; h++) {  /* out = numerator / denominator */
+            T *dst = out + (rows[b] * num_heads + h) * (int64_t)head_dim;
+            const float inverse = running_sum[h] > 0.0f ? 1.0f / running_sum[h] : 0.0f;
+            for (int i = 0; i < head_dim; i++) dst[i] = STORE(acc[h * head_dim + i] * inverse);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,171 @@
+"""The C paged-decode kernel and the `cpu` backend equal the torch-gather reference, and fail safely.
+
+Random pools with shuffled block tables (reading a wrong block shows), GQA groups of 1, 3, 4 and
+8, head dims 64 and 128 and one that is not a multiple of the vector width (40), block sizes 1,
+16 and 32, lengths around block and chunk edges, float32 and bfloat16, a strided query, and the
+whole mixed batch through the backend. Then the guards: bad dtypes and indices are refused before
+the C code runs, and without a compiler the engine falls back to the block-wise backend.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llm_runtime.attention import available_backends, select_backend
+from llm_runtime.attention import cpu_kernels
+from llm_runtime.attention.cpu_backend import CpuKernelBackend
+from llm_runtime.attention.cpu_kernels import KernelUnavailable, check_indices, paged_decode
+from llm_runtime.attention.metadata import AttentionMetadata
+from llm_runtime.attention.torch_gather import TorchGatherBackend
+
+pytestmark = pytest.mark.skipif(cpu_kernels.kernel_unavailable_reason() is not None,
+                                reason="no C compiler builds the kernel here")
+
+GQA = [(2, 2), (6, 2), (4, 1), (8, 1)]  # (H, KV): 1, 3, 4 and 8 query heads per KV head
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+# Lengths 1 to 70: one key, block and chunk (16 keys) edges, several chunks.
+DECODE_LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 47, 70]
+
+
+def random_step(context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size=16, seed=0):
+    """A float64 pool with out-of-order block tables, the step's metadata and its queries."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-(c + q) // block_size) for c, q in zip(context_lens, query_lens)]
+    order = torch.randperm(sum(needed) + 3, generator=gen).tolist()
+    tables = [order[sum(needed[:b]) : sum(needed[: b + 1])] for b in range(len(needed))]
+    shape = (len(order), block_size, num_kv_heads, head_dim)
+    pools = torch.randn(shape, generator=gen, dtype=torch.float64), torch.randn(shape, generator=gen,
+                                                                                  dtype=torch.float64)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen, dtype=torch.float64)
+    metadata = AttentionMetadata.build(tables, context_lens, query_lens, block_size=block_size, device="cpu")
+    return metadata, pools, query
+
+
+def run(backend, metadata, pools, query, dtype):
+    q, key_pool, value_pool = (t.to(dtype) for t in (query, *pools))
+    num_kv_heads, head_dim = key_pool.shape[2:]
+    key = key_pool.view(-1, num_kv_heads, head_dim)[metadata.slot_mapping]  # (N, KV, d): already stored
+    value = value_pool.view(-1, num_kv_heads, head_dim)[metadata.slot_mapping]
+    return backend.forward(q, key, value, key_pool, value_pool, backend.plan(metadata))
+
+
+def error_against_reference(context_lens, query_lens, num_heads, num_kv_heads, head_dim, dtype,
+                            block_size=16) -> float:
+    metadata, pools, query = random_step(context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size)
+    out = run(CpuKernelBackend(), metadata, pools, query, dtype)
+    reference = run(TorchGatherBackend(), metadata, pools, query, torch.float64)
+    assert out.shape == reference.shape and out.dtype == dtype
+    return (out.double() - reference).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+@pytest.mark.parametrize("num_heads,num_kv_heads", GQA, ids=[f"gqa{h // kv}" for h, kv in GQA])
+def test_decodes_equal_the_reference(num_heads, num_kv_heads, head_dim, dtype) -> None:
+    contexts = [length - 1 for length in DECODE_LENGTHS]
+    error = error_against_reference(contexts, [1] * len(contexts), num_heads, num_kv_heads, head_dim, dtype)
+    assert error < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_block_sizes(block_size: int) -> None:
+    contexts = [length - 1 for length in DECODE_LENGTHS]
+    error = error_against_reference(contexts, [1] * len(contexts), 6, 2, 64, torch.float32, block_size)
+    assert error < TOLERANCE[torch.float32]
+
+
+def test_a_mixed_batch_decodes_by_the_kernel_and_prefills_block_wise() -> None:
+    # Fresh prefills, extends over a cached prefix and decodes, interleaved in one batch.
+    contexts = [0, 16, 0, 20, 31, 0, 99]
+    queries = [15, 1, 17, 12, 1, 33, 1]
+    assert error_against_reference(contexts, queries, 6, 2, 64, torch.float32) < TOLERANCE[torch.float32]
+    metadata, _, _ = random_step(contexts, queries, 6, 2, 64)
+    plan = CpuKernelBackend().plan(metadata)
+    assert plan.decodes.rows.tolist() == [15, 45, 79]  # the decode rows of the flat batch
+    assert len(plan.prefills) == 4
+
+
+def test_a_step_without_decodes_or_without_prefills() -> None:
+    assert CpuKernelBackend().plan(random_step([0, 3], [5, 4], 4, 1, 64)[0]).decodes is None
+    assert error_against_reference([0, 3], [5, 4], 4, 1, 64, torch.float32) < TOLERANCE[torch.float32]
+    assert CpuKernelBackend().plan(random_step([4, 9], [1, 1], 4, 1, 64)[0]).prefills == []
+
+
+def test_a_strided_query_is_read_through_its_strides() -> None:
+    metadata, pools, query = random_step([5, 40], [1, 1], 6, 2, 64)
+    key_pool, value_pool = (p.float() for p in pools)
+    wide = torch.randn(2, 6, 128)
+    wide[:, :, :64] = query.float()
+    strided = wide[:, :, :64]  # (N, H, d) with a row stride of 6 * 128
+    plan = CpuKernelBackend().plan(metadata)
+    out = torch.zeros(2, 6, 64)
+    paged_decode(strided, key_pool, value_pool, plan.decodes.block_tables, plan.decodes.seq_lens,
+                 plan.decodes.rows, out)
+    reference = run(TorchGatherBackend(), metadata, pools, query, torch.float64)
+    assert (out.double() - reference).abs().max().item() < TOLERANCE[torch.float32]
+
+
+def test_bad_inputs_are_refused_before_the_c_code_runs() -> None:
+    metadata, pools, query = random_step([5, 40], [1, 1], 6, 2, 64)
+    key_pool, value_pool = (p.float() for p in pools)
+    decodes = CpuKernelBackend().plan(metadata).decodes
+    args = (key_pool, value_pool, decodes.block_tables, decodes.seq_lens, decodes.rows)
+    out = torch.empty(2, 6, 64)
+    with pytest.raises(TypeError, match="float32"):
+        paged_decode(query, *args, out)  # a float64 query
+    with pytest.raises(ValueError, match="seq_lens"):
+        paged_decode(query.float(), key_pool, value_pool, decodes.block_tables, decodes.seq_lens + 1000,
+                     decodes.rows, out)
+    with pytest.raises(ValueError, match="rows"):
+        paged_decode(query.float(), *args[:4], decodes.rows + 5, out)
+    with pytest.raises(ValueError, match="block table entries"):
+        check_indices(decodes.block_tables + 100, decodes.seq_lens, decodes.rows, num_rows=2,
+                      num_blocks=key_pool.shape[0], block_size=16)
+    with pytest.raises(ValueError, match="contiguous"):
+        paged_decode(query.float(), key_pool.transpose(1, 2), *args[1:], out)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        paged_decode(query.float(), *args, torch.empty(2, 6, 32))
+    with pytest.raises(ValueError, match="at most 256 query heads"):  # the C code's own limits
+        big_pool = torch.zeros(4, 16, 1, 32)
+        paged_decode(torch.zeros(1, 1024, 32), big_pool, big_pool, torch.zeros(1, 1, dtype=torch.int32),
+                     torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.long), torch.empty(1, 1024, 32))
+
+
+def test_the_engine_picks_it_on_the_cpu_in_float32_and_bfloat16_only() -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        assert select_backend("auto", "cpu", dtype).name == "cpu"
+    assert select_backend("auto", "cpu", torch.float64).name == "blockwise"  # the kernel has no float64
+    assert "float64" in available_backends("cpu", torch.float64)["cpu"]
+    assert "CPU" in available_backends("cuda", torch.float32)["cpu"]
+
+
+def test_without_a_compiler_the_engine_falls_back_to_blockwise(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("CC", "/bin/false")  # a "compiler" that fails every build
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # and no library built before
+    cpu_kernels.load_library.cache_clear()
+    try:
+        with pytest.raises(KernelUnavailable, match="did not compile"):
+            cpu_kernels.load_library()
+        assert "did not compile" in available_backends("cpu", torch.float32)["cpu"]
+        assert select_backend("auto", "cpu", torch.float32).name == "blockwise"
+        with pytest.raises(ValueError, match="'cpu' cannot run"):
+            select_backend("cpu", "cpu", torch.float32)
+    finally:
+        cpu_kernels.load_library.cache_clear()
+        monkeypatch.undo()
+    assert cpu_kernels.kernel_unavailable_reason() is None  # the real compiler again
+
+
+def test_the_library_is_built_once_and_reused_from_the_cache(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cpu_kernels.load_library.cache_clear()
+    try:
+        cpu_kernels.load_library()
+        (built,) = (tmp_path / "llm_runtime" / "kernels").glob("paged_decode-*.so")
+        first_build = built.stat().st_mtime_ns
+        cpu_kernels.load_library.cache_clear()  # as a new process would
+        cpu_kernels.load_library()
+        assert built.stat().st_mtime_ns == first_build  # loaded, not compiled again
+    finally:
+        cpu_kernels.load_library.cache_clear()
