@@ -1,7 +1,8 @@
 /*
  * The kernel's body, included once per element type by paged_decode.c with three macros set:
  * NAME (the exported function), T (the storage type), LOAD / STORE (one element to and from
- * float) and DOT (a float query row against a row of T). Accumulation is always float32.
+ * float), DOT (a float query row against a row of T) and AXPY_CHUNK (a float row plus the weighted
+ * sum of a chunk of rows of T). Accumulation is always float32.
  *
  * One work item per sequence b. It walks the sequence's block table CHUNK keys at a time; a key's
  * slot holds all KV heads side by side, so the chunk is read as whole cache lines, and the chunk
@@ -74,16 +75,10 @@ int NAME(const T *query, int64_t q_row_stride, int64_t q_head_stride,
                     #pragma omp simd
                     for (int i = 0; i < head_dim; i++) a[i] *= correction;
                 }
-                /* 3. The numerators: acc += p * v, each value loaded once for the group's heads. */
-                for (int t = 0; t < n; t++) {
-                    const T *v = value_pool + slots[t] * slot_stride + (int64_t)g * head_dim;
-                    for (int h = h0; h < h0 + group; h++) {
-                        const float p = scores[h][t];
-                        float *a = acc + h * head_dim;
-                        #pragma omp simd
-                        for (int i = 0; i < head_dim; i++) a[i] += p * LOAD(v[i]);
-                    }
-                }
+                /* 3. The numerators: acc += sum over the chunk of p * v, for each head of the group. */
+                const T *values[CHUNK];
+                for (int t = 0; t < n; t++) values[t] = value_pool + slots[t] * slot_stride + (int64_t)g * head_dim;
+                for (int h = h0; h < h0 + group; h++) AXPY_CHUNK(acc + h * head_dim, scores[h], values, n, head_dim);
             }
         }
 
