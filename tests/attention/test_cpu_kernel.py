@@ -169,3 +169,19 @@ def test_the_library_is_built_once_and_reused_from_the_cache(monkeypatch, tmp_pa
         assert built.stat().st_mtime_ns == first_build  # loaded, not compiled again
     finally:
         cpu_kernels.load_library.cache_clear()
+
+
+@pytest.mark.parametrize("flags", [("-O3", "-mavx2", "-mfma", "-fopenmp"), ("-O3",)], ids=["avx2", "plain-c"])
+def test_the_avx2_and_plain_c_builds_equal_the_reference(monkeypatch, tmp_path, flags) -> None:
+    """The AVX-512 build is what this machine runs; a laptop may build the other two paths."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "FLAG_SETS", (flags,))
+    cpu_kernels.load_library.cache_clear()
+    try:
+        contexts = [length - 1 for length in DECODE_LENGTHS]
+        for dtype in (torch.float32, torch.bfloat16):
+            for head_dim in (64, 40):
+                error = error_against_reference(contexts, [1] * len(contexts), 6, 2, head_dim, dtype)
+                assert error < TOLERANCE[dtype], (dtype, head_dim)
+    finally:
+        cpu_kernels.load_library.cache_clear()
