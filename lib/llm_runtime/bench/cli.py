@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # the engines compare on equal terms.
     parser.add_argument("--max-num-seqs", type=int, default=256, help="engine and hf-continuous: batch cap")
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--prepack-weights", action="store_true",
+                        help="engine: oneDNN-packed linear weights (CPU, float32; a second copy of the weights)")
     parser.add_argument("--attention-backends", default="auto",
                         help="engine: comma-separated attention backends, one engine run each (lesson 11)")
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python",
@@ -100,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     out = Path(args.output_dir)
-    engine_options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    engine_options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                      "prepack_weights": args.prepack_weights}
     runners = []
     if "engine" in names:
         backends = [b.strip() for b in args.attention_backends.split(",") if b.strip()] or ["auto"]

@@ -31,6 +31,7 @@ from ..attention.selector import select_backend
 from ..config import EngineConfig
 from ..errors import EngineDeadError, InvalidRequestError
 from ..model import CausalLM
+from ..model.packed_linear import PackedLinears, packing_unsupported_reason
 from ..model.tokenizer import Tokenizer
 from ..sampling import Sampler, SamplingParams
 from .block_manager import BlockManager
@@ -62,6 +63,7 @@ class EngineStats:
     prefix_cache_hit_tokens: int
     num_failed_requests: int = 0  # requests a failed step finished with an error
     attention_backend: str = ""  # the attention backend's name (lesson 11)
+    prepacked_weights: bool = False  # linear layers run on oneDNN-packed weights (EngineConfig.prepack_weights)
 
     @property
     def num_used_blocks(self) -> int:
@@ -89,6 +91,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} cannot be scheduled with enable_chunked_prefill="
                              f"False and max_num_batched_tokens={config.max_num_batched_tokens}: a sequence must "
                              f"fit in one step (max_model_len <= max_num_batched_tokens + 1)")
+        self.packed_linears = self._pack_linears()  # before the KV budget, which counts the packed copy
         num_blocks = self._num_kv_blocks(config.max_model_len or limit)
         block_size = config.block_size
         if config.max_model_len is not None and config.max_model_len > num_blocks * block_size:
@@ -112,7 +115,7 @@ class LLMEngine:
                                                   block_size)
         logger.info("attention backend: %s", self.attention_backend.name)
         self.model_runner = ModelRunner(model, Sampler(seed=config.seed, device=model.device), self.kv_cache,
-                                        self.profile, self.attention_backend)
+                                        self.profile, self.attention_backend, self.packed_linears)
         self.input_processor = InputProcessor(tokenizer, model.config, config, context_len=context_len,
                                               max_model_len=self.max_model_len, num_kv_blocks=num_blocks)
         self.output_processor = OutputProcessor(tokenizer)
@@ -120,6 +123,22 @@ class LLMEngine:
         self.num_failed_requests = 0
         self._num_steps = 0
         self._num_idle_steps = 0  # consecutive steps that scheduled nothing while requests were left
+
+    def _pack_linears(self) -> PackedLinears | None:
+        """The packed copy of the linear weights, if the config asks for it."""
+        if not self.config.prepack_weights:
+            return None
+        reason = packing_unsupported_reason(self.model)
+        if reason is not None:
+            raise ValueError(f"prepack_weights=True, but {reason}")
+        packed = PackedLinears(self.model)
+        logger.info("packed %d linear layers for oneDNN (%.0f MB)", len(packed), packed.nbytes / 2**20)
+        return packed
+
+    @property
+    def packed_weight_bytes(self) -> int:
+        """Device memory held by this engine's packed weights (the KV budget counts them)."""
+        return self.packed_linears.nbytes if self.packed_linears is not None else 0
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         """The pool size: num_kv_blocks, else kv_cache_memory, else what the device has left (kv_budget.py)."""
@@ -129,7 +148,7 @@ class LLMEngine:
         if config.kv_cache_memory is not None:
             nbytes = config.kv_cache_memory
         else:
-            nbytes = kv_cache_memory(model, config, max_model_len)
+            nbytes = kv_cache_memory(model, config, max_model_len, extra_bytes=self.packed_weight_bytes)
         num_blocks = num_blocks_in(nbytes, model.config, config.block_size, model.dtype)
         if num_blocks < 1:
             raise ValueError(f"{nbytes} bytes of KV memory hold no block of {config.block_size} tokens "
@@ -145,6 +164,7 @@ class LLMEngine:
             self.abort_request(request_id)
         self.is_shut_down = True
         self.kv_cache.release()
+        self.packed_linears = self.model_runner.packed_linears = None
         CPU_DEVICE.release(self)
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -200,6 +220,7 @@ class LLMEngine:
             prefix_cache_hit_tokens=scheduler.num_prefix_hit_tokens,
             num_failed_requests=self.num_failed_requests,
             attention_backend=self.attention_backend.name,
+            prepacked_weights=self.packed_linears is not None,
         )
 
     def has_unfinished_requests(self) -> bool:
