@@ -185,3 +185,11 @@ def test_the_avx2_and_plain_c_builds_equal_the_reference(monkeypatch, tmp_path, 
                 assert error < TOLERANCE[dtype], (dtype, head_dim)
     finally:
         cpu_kernels.load_library.cache_clear()
+
+
+def test_a_block_outside_the_pool_is_refused_before_the_c_code_runs() -> None:
+    metadata, pools, query = random_step([5, 40], [1, 1], 6, 2, 64)
+    small_pools = [p[:2].float().contiguous() for p in pools]  # fewer blocks than the tables name
+    backend = CpuKernelBackend()
+    with pytest.raises(ValueError, match="outside a pool of 2 blocks"):
+        backend.forward(query.float(), None, None, *small_pools, backend.plan(metadata))

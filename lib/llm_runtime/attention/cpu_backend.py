@@ -63,10 +63,12 @@ class CpuKernelBackend(BlockwiseBackend):
         rows = torch.tensor([offsets[b] for b in decode_rows], dtype=torch.long)
         block_tables = metadata.block_tables.cpu().index_select(0, index).contiguous()  # (D, max_blocks) int32
         seq_lens = metadata.seq_lens.cpu().index_select(0, index).contiguous()  # (D,) int32
-        # The C code follows these indices without bounds checks: check them once per step, here.
-        check_indices(block_tables, seq_lens, rows, num_rows=metadata.num_tokens,
-                      num_blocks=int(block_tables.max()) + 1, block_size=metadata.block_size)
-        return CpuDecodes(rows, block_tables, seq_lens, int(block_tables.max()))
+        # The C code follows these indices without bounds checks: check them once per step, here (the
+        # pool's size is known only per layer, so `forward` compares the largest block with it).
+        max_block = int(block_tables.max())
+        check_indices(block_tables, seq_lens, rows, num_rows=metadata.num_tokens, num_blocks=max_block + 1,
+                      block_size=metadata.block_size)
+        return CpuDecodes(rows, block_tables, seq_lens, max_block)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,
                 value_pool: torch.Tensor, plan: CpuPlan) -> torch.Tensor:
