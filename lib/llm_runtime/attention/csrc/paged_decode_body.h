@@ -1,14 +1,15 @@
 /*
- * The kernel's body, included once per element type by paged_decode.c with three macros set:
+ * The kernel's body, included once per element type by paged_decode.c with these macros set:
  * NAME (the exported function), T (the storage type), LOAD / STORE (one element to and from
  * float), DOT (a float query row against a row of T) and AXPY_CHUNK (a float row plus the weighted
  * sum of a chunk of rows of T). Accumulation is always float32.
  *
  * One work item per sequence b. It walks the sequence's block table CHUNK keys at a time; a key's
  * slot holds all KV heads side by side, so the chunk is read as whole cache lines, and the chunk
- * after next is prefetched while this one is computed. For every chunk and KV head g, it computes the scores of the
- * query heads that share g, then updates their online softmax (running maximum, running sum,
- * running numerator): each key and value is read from memory once per step and layer.
+ * PREFETCH_AHEAD chunks later is prefetched while this one is computed. For every chunk and KV
+ * head g, it computes the scores of the query heads that share g, then updates their online
+ * softmax (running maximum, running sum, running numerator): each key and value is read from
+ * memory once per step and layer.
  */
 int NAME(const T *query, int64_t q_row_stride, int64_t q_head_stride,
          const T *key_pool, const T *value_pool,
