@@ -16,6 +16,12 @@
  *   block_tables (B, table_stride) int32; seq_lens (B,) int32; rows (B,) int64
  *   out        (N, H, d) contiguous; only the decode rows are written
  *
+ * Per chunk the body calls three steps, each defined below once for AVX-512 (this package's CI
+ * machine) and once in portable C (AVX2 dot products where the compiler has them):
+ *   CHUNK_SCORES   the chunk's scores q . k for one query head
+ *   chunk_softmax  the online-softmax update of one head from those scores
+ *   AXPY_CHUNK     the weighted sum of the chunk's values added to one head's numerator
+ *
  * Python loads this file with ctypes (cpu_kernel.py): no PyTorch headers, so it compiles in a
  * second. OpenMP here is the same libgomp PyTorch already loaded, so the threads are PyTorch's.
  */
@@ -25,7 +31,7 @@
 #include <string.h>
 
 #define CHUNK 16 /* keys whose scores are held at once */
-#define PREFETCH_AHEAD 2 /* chunks between a prefetch and its use (16 and 2 measured fastest here) */
+#define PREFETCH_AHEAD 1 /* chunks between a prefetch and its use (1 measured fastest here, then 2, 4) */
 #define MAX_HEADS 256 /* query heads */
 #define MAX_STATE 16384 /* query heads x head dim: the per-sequence state kept on the stack */
 
@@ -64,16 +70,18 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as PyT
     return (uint16_t)(v.u >> 16);
 }
 
-/* Ask for one pool slot's keys and values (every KV head: slot_bytes each) to be brought into L2. */
-static inline void prefetch_slot(const void *key_pool, const void *value_pool, const int32_t *table,
-                                 int block_size, int position, int64_t slot_bytes) {
-    const int64_t slot = (int64_t)table[position / block_size] * block_size + position % block_size;
-    const char *k = (const char *)key_pool + slot * slot_bytes;
-    const char *v = (const char *)value_pool + slot * slot_bytes;
-    for (int64_t byte = 0; byte < slot_bytes; byte += 64) {
-        __builtin_prefetch(k + byte, 0, 2);
-        __builtin_prefetch(v + byte, 0, 2);
+/* slots[t] for positions first .. first + n - 1 of a sequence: pool slot = block * block_size + offset. */
+static inline void slots_of(int64_t *slots, const int32_t *table, int block_size, int first, int n) {
+    int block = first / block_size, offset = first % block_size;
+    for (int t = 0; t < n; t++) {
+        slots[t] = (int64_t)table[block] * block_size + offset;
+        if (++offset == block_size) { offset = 0; block++; }
     }
+}
+
+/* Ask for `bytes` from `start` to be brought into L2, one cache line per instruction. */
+static inline void prefetch_bytes(const void *start, int64_t bytes) {
+    for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch((const char *)start + byte, 0, 2);
 }
 
 /* q . k over d elements, q in float and k in the pool's type. A single running sum would chain
@@ -82,6 +90,7 @@ static inline void prefetch_slot(const void *key_pool, const void *value_pool, c
  * then one horizontal sum; plain C elsewhere. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
+_Static_assert(CHUNK == 16, "the AVX-512 steps hold one chunk's scores in one vector");
 static inline float dot_f32(const float *q, const float *k, int d) {
     __m512 sum = _mm512_setzero_ps();
     int i = 0;
@@ -133,6 +142,74 @@ static inline __m512 load16_bf16(const uint16_t *x) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+
+/* Lane t of the result is the sum of the 16 lanes of v[t]: a transpose-and-add in four rounds,
+ * 45 instructions for the 16 sums where 16 horizontal sums take about 150. */
+static inline __m512 sum_each16(const __m512 *v) {
+    __m512 pairs[8], quads[4];
+    for (int j = 0; j < 8; j++)  /* in each 128-bit lane: v[2j] at positions 0 and 2, v[2j+1] at 1 and 3 */
+        pairs[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
+                                 _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+    for (int j = 0; j < 4; j++) {  /* in each 128-bit lane: v[4j + i] at position i */
+        const __m512d a = _mm512_castps_pd(pairs[2 * j]), b = _mm512_castps_pd(pairs[2 * j + 1]);
+        quads[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    /* 128-bit lanes (0 + 1, 2 + 3) of quads[0], then of quads[1]; likewise for quads[2] and [3] */
+    const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                     _mm512_shuffle_f32x4(quads[0], quads[1], 0xdd));
+    const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                      _mm512_shuffle_f32x4(quads[2], quads[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xdd));
+}
+/* The scores of a chunk of 16 keys for one query head: lane-wise products summed over d into one
+ * vector per key, then sum_each16. Past the chunk's end `keys` repeats a valid row (scores unused). */
+#define DEFINE_CHUNK_SCORES_AVX512(NAME, T, LOAD16, DOT)                                              \
+static inline void NAME(float *s, const float *q, const T *const *keys, int n, int d) {                \
+    if (d % 16) {                                                                                      \
+        for (int t = 0; t < n; t++) s[t] = DOT(q, keys[t], d);                                         \
+        return;                                                                                        \
+    }                                                                                                  \
+    __m512 part[16];                                                                                   \
+    for (int t = 0; t < 16; t++) part[t] = _mm512_setzero_ps();                                        \
+    for (int i = 0; i < d; i += 16) {                                                                  \
+        const __m512 qv = _mm512_loadu_ps(q + i);                                                      \
+        for (int t = 0; t < 16; t++) part[t] = _mm512_fmadd_ps(qv, LOAD16(keys[t] + i), part[t]);      \
+    }                                                                                                  \
+    _mm512_storeu_ps(s, sum_each16(part));                                                             \
+}
+DEFINE_CHUNK_SCORES_AVX512(chunk_scores_f32, float, load16_f32, dot_f32)
+DEFINE_CHUNK_SCORES_AVX512(chunk_scores_bf16, uint16_t, load16_bf16, dot_bf16)
+
+/* exp_nonpositive on 16 lanes: the same steps, with 2^n applied by scalef. */
+static inline __m512 exp_nonpositive16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(t, _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.54035304e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.33335581e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.61812911e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55041087e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40226507e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147181e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+/* One head's online-softmax step over a chunk of n <= 16 scores s: s becomes the weights
+ * p = exp(s - new maximum), the running maximum and sum move on, and the returned factor
+ * exp(old maximum - new maximum) rescales what was accumulated before. */
+static inline float chunk_softmax(float *s, int n, float *running_max, float *running_sum) {
+    const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+    const __m512 scores = _mm512_mask_loadu_ps(_mm512_set1_ps(-FLT_MAX), valid, s);
+    const float chunk_max = fmaxf(*running_max, _mm512_reduce_max_ps(scores));
+    const float correction = exp_nonpositive(*running_max - chunk_max);
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive16(_mm512_sub_ps(scores, _mm512_set1_ps(chunk_max))));
+    _mm512_storeu_ps(s, p);
+    *running_sum = *running_sum * correction + _mm512_reduce_add_ps(p);
+    *running_max = chunk_max;
+    return correction;
+}
 #define IDENTITY(x) (x)
 DEFINE_AXPY_CHUNK_AVX512(axpy_chunk_f32, float, load16_f32, IDENTITY)
 DEFINE_AXPY_CHUNK_AVX512(axpy_chunk_bf16, uint16_t, load16_bf16, bf16_to_float)
@@ -183,6 +260,23 @@ static inline float dot_bf16(const float *q, const uint16_t *k, int d) {
 #endif
 
 #if !defined(__AVX512F__)
+static inline void chunk_scores_f32(float *s, const float *q, const float *const *keys, int n, int d) {
+    for (int t = 0; t < n; t++) s[t] = dot_f32(q, keys[t], d);
+}
+static inline void chunk_scores_bf16(float *s, const float *q, const uint16_t *const *keys, int n, int d) {
+    for (int t = 0; t < n; t++) s[t] = dot_bf16(q, keys[t], d);
+}
+static inline float chunk_softmax(float *s, int n, float *running_max, float *running_sum) {
+    float chunk_max = *running_max;
+    for (int t = 0; t < n; t++) chunk_max = s[t] > chunk_max ? s[t] : chunk_max;
+    const float correction = exp_nonpositive(*running_max - chunk_max);
+    float chunk_sum = 0.0f;
+    for (int t = 0; t < n; t++) s[t] = exp_nonpositive(s[t] - chunk_max);  /* p */
+    for (int t = 0; t < n; t++) chunk_sum += s[t];
+    *running_sum = *running_sum * correction + chunk_sum;
+    *running_max = chunk_max;
+    return correction;
+}
 /* a += sum over t < n of p[t] * rows[t]; the compiler vectorizes the inner loop. */
 static inline void axpy_chunk_f32(float *a, const float *p, const float *const *rows, int n, int d) {
     for (int t = 0; t < n; t++)
@@ -198,20 +292,20 @@ static inline void axpy_chunk_bf16(float *a, const float *p, const uint16_t *con
 #define T float
 #define LOAD(x) (x)
 #define STORE(x) (x)
-#define DOT dot_f32
+#define CHUNK_SCORES chunk_scores_f32
 #define AXPY_CHUNK axpy_chunk_f32
 #include "paged_decode_body.h"
 #undef NAME
 #undef T
 #undef LOAD
 #undef STORE
-#undef DOT
+#undef CHUNK_SCORES
 #undef AXPY_CHUNK
 
 #define NAME paged_decode_bf16
 #define T uint16_t
 #define LOAD(x) bf16_to_float(x)
 #define STORE(x) float_to_bf16(x)
-#define DOT dot_bf16
+#define CHUNK_SCORES chunk_scores_bf16
 #define AXPY_CHUNK axpy_chunk_bf16
 #include "paged_decode_body.h"

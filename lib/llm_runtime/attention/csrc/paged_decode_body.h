@@ -1,15 +1,16 @@
 /*
  * The kernel's body, included once per element type by paged_decode.c with these macros set:
  * NAME (the exported function), T (the storage type), LOAD / STORE (one element to and from
- * float), DOT (a float query row against a row of T) and AXPY_CHUNK (a float row plus the weighted
- * sum of a chunk of rows of T). Accumulation is always float32.
+ * float), CHUNK_SCORES (one head's scores for a chunk of keys of T) and AXPY_CHUNK (a float row
+ * plus the weighted sum of a chunk of rows of T). Accumulation is always float32.
  *
- * One work item per sequence b. It walks the sequence's block table CHUNK keys at a time; a key's
- * slot holds all KV heads side by side, so the chunk is read as whole cache lines, and the chunk
- * PREFETCH_AHEAD chunks later is prefetched while this one is computed. For every chunk and KV
- * head g, it computes the scores of the query heads that share g, then updates their online
- * softmax (running maximum, running sum, running numerator): each key and value is read from
- * memory once per step and layer.
+ * One work item per sequence b. It walks the sequence's block table CHUNK keys at a time. For every
+ * chunk and KV head g, it computes the scores of the query heads that share g, then updates their
+ * online softmax (running maximum, running sum, running numerator): each key and value is read
+ * from memory once per step and layer. Blocks lie anywhere in the pool, so the CPU's prefetcher
+ * cannot know where the next chunk is; while head g of this chunk is computed, head g's keys and
+ * values of the chunk PREFETCH_AHEAD on are requested, a few lines at a time, so that the requests
+ * overlap the arithmetic instead of stalling it in one burst.
  */
 int NAME(const T *query, int64_t q_row_stride, int64_t q_head_stride,
          const T *key_pool, const T *value_pool,
@@ -21,7 +22,7 @@ int NAME(const T *query, int64_t q_row_stride, int64_t q_head_stride,
         return 1;
     const int group = num_heads / num_kv_heads;
     const int64_t slot_stride = (int64_t)num_kv_heads * head_dim;  /* one pool slot: every KV head */
-    const int64_t slot_bytes = slot_stride * (int64_t)sizeof(T);
+    const int64_t head_bytes = head_dim * (int64_t)sizeof(T);  /* one KV head of one slot */
 
     #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t b = 0; b < num_seqs; b++) {
@@ -39,46 +40,37 @@ int NAME(const T *query, int64_t q_row_stride, int64_t q_head_stride,
             running_sum[h] = 0.0f;
         }
 
-        /* Blocks lie anywhere in the pool, so the hardware prefetcher cannot guess where the next
-           keys are; ask for them (into L2) two chunks ahead of the one being computed. */
-        for (int position = 0; position < PREFETCH_AHEAD * CHUNK && position < length; position++)
-            prefetch_slot(key_pool, value_pool, table, block_size, position, slot_bytes);
         for (int first = 0; first < length; first += CHUNK) {
-            /* Where keys first .. first + n - 1 lie: pool slot = block * block_size + offset. */
+            /* Where keys first .. first + n - 1 lie, and the keys of the chunk PREFETCH_AHEAD on. */
             const int n = length - first < CHUNK ? length - first : CHUNK;
-            int64_t slots[CHUNK];
-            for (int t = 0; t < n; t++) {
-                const int position = first + t;
-                slots[t] = (int64_t)table[position / block_size] * block_size + position % block_size;
-            }
             const int ahead = first + PREFETCH_AHEAD * CHUNK;
-            for (int position = ahead; position < ahead + CHUNK && position < length; position++)
-                prefetch_slot(key_pool, value_pool, table, block_size, position, slot_bytes);
+            const int n_ahead = length - ahead < 0 ? 0 : (length - ahead < CHUNK ? length - ahead : CHUNK);
+            int64_t slots[CHUNK], ahead_slots[CHUNK];
+            slots_of(slots, table, block_size, first, n);
+            slots_of(ahead_slots, table, block_size, ahead, n_ahead);
             for (int g = 0; g < num_kv_heads; g++) {
                 const int h0 = g * group;  /* query heads h0 .. h0 + group - 1 share KV head g */
-                /* 1. Scores of this chunk, s = q . k: each key loaded once for the group's heads. */
-                for (int t = 0; t < n; t++) {
-                    const T *k = key_pool + slots[t] * slot_stride + (int64_t)g * head_dim;
-                    for (int h = h0; h < h0 + group; h++) scores[h][t] = DOT(q + h * head_dim, k, head_dim);
+                const T *keys[CHUNK], *values[CHUNK];  /* past the chunk's end: its last row again */
+                for (int t = 0; t < CHUNK; t++) {
+                    const int64_t offset = slots[t < n ? t : n - 1] * slot_stride + (int64_t)g * head_dim;
+                    keys[t] = key_pool + offset;
+                    values[t] = value_pool + offset;
                 }
+                /* 1. Scores of this chunk, s = q . k, for each head of the group. */
+                for (int t = 0; t < n_ahead; t++)
+                    prefetch_bytes(key_pool + ahead_slots[t] * slot_stride + (int64_t)g * head_dim, head_bytes);
+                for (int h = h0; h < h0 + group; h++) CHUNK_SCORES(scores[h], q + h * head_dim, keys, n, head_dim);
                 /* 2. The online softmax: a new running maximum, what was summed under the old one
                       rescaled, and this chunk's weights p = exp(s - max) added to the running sum. */
                 for (int h = h0; h < h0 + group; h++) {
-                    float chunk_max = running_max[h];
-                    for (int t = 0; t < n; t++) chunk_max = scores[h][t] > chunk_max ? scores[h][t] : chunk_max;
-                    const float correction = exp_nonpositive(running_max[h] - chunk_max);
-                    float chunk_sum = 0.0f;
-                    for (int t = 0; t < n; t++) scores[h][t] = exp_nonpositive(scores[h][t] - chunk_max);  /* p */
-                    for (int t = 0; t < n; t++) chunk_sum += scores[h][t];
-                    running_sum[h] = running_sum[h] * correction + chunk_sum;
-                    running_max[h] = chunk_max;
+                    const float correction = chunk_softmax(scores[h], n, &running_max[h], &running_sum[h]);
                     float *a = acc + h * head_dim;
                     #pragma omp simd
                     for (int i = 0; i < head_dim; i++) a[i] *= correction;
                 }
                 /* 3. The numerators: acc += sum over the chunk of p * v, for each head of the group. */
-                const T *values[CHUNK];
-                for (int t = 0; t < n; t++) values[t] = value_pool + slots[t] * slot_stride + (int64_t)g * head_dim;
+                for (int t = 0; t < n_ahead; t++)
+                    prefetch_bytes(value_pool + ahead_slots[t] * slot_stride + (int64_t)g * head_dim, head_bytes);
                 for (int h = h0; h < h0 + group; h++) AXPY_CHUNK(acc + h * head_dim, scores[h], values, n, head_dim);
             }
         }
