@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                                                               max_model_len=args.max_model_len,
                                                               gpu_memory_utilization=args.gpu_memory_utilization,
                                                               kv_cache_memory=args.kv_cache_memory,
-                                                              check_invariants=args.check_invariants))
+                                                              check_invariants=args.check_invariants),
+                               owns_model=True)
         except (ValueError, RuntimeError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2

@@ -173,9 +173,9 @@ class EngineConfig:
     cpu_device_memory: int = DEFAULT_CPU_DEVICE_MEMORY  # the CPU's emulated device memory (the KV budget's rule)
     enable_prefix_caching: bool = True  # reuse computed blocks of equal prefixes across requests
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS (lesson 11)
-    # oneDNN-packed linear weights for the engine's forward passes (model/packed_linear.py; the CPU, float32):
-    # faster linear layers for a second copy of the weights, which the KV budget counts.
-    prepack_weights: bool = False
+    # The model's linear weights repacked in place for oneDNN (model/packed_linear.py; the CPU, float32):
+    # faster linear layers, same memory. None: when the engine owns the model (LLM(...), serve) and it applies.
+    prepack_weights: bool | None = None
     # Limits on what one request may ask for (the input processor refuses more, naming the field).
     max_logprobs: int = 20  # top logprobs per token (`logprobs`, `prompt_logprobs`), as vLLM's default
     max_num_stop_strings: int = 16  # stop strings per request
@@ -201,8 +201,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
-        if not isinstance(self.prepack_weights, bool):
-            raise ValueError(f"prepack_weights must be True or False, got {self.prepack_weights!r}")
+        if self.prepack_weights is not None and not isinstance(self.prepack_weights, bool):
+            raise ValueError(f"prepack_weights must be True, False or None, got {self.prepack_weights!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")

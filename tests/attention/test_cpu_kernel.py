@@ -1,4 +1,4 @@
-"""The C paged-decode kernel and the `cpu` backend equal the torch-gather reference, and fail safely.
+"""The C paged-decode kernel, the C KV store and the `cpu` backend equal the torch-gather reference, and fail safely.
 
 Random pools with shuffled block tables (reading a wrong block shows), GQA groups of 1, 3, 4 and
 8, head dims 64 and 128 and one that is not a multiple of the vector width (40), block sizes 1,
@@ -75,21 +75,60 @@ def test_block_sizes(block_size: int) -> None:
     assert error < TOLERANCE[torch.float32]
 
 
-def test_a_mixed_batch_decodes_by_the_kernel_and_prefills_block_wise() -> None:
+def test_a_mixed_batch_is_one_list_of_rows_each_a_decode_of_its_own_length() -> None:
     # Fresh prefills, extends over a cached prefix and decodes, interleaved in one batch.
     contexts = [0, 16, 0, 20, 31, 0, 99]
     queries = [15, 1, 17, 12, 1, 33, 1]
     assert error_against_reference(contexts, queries, 6, 2, 64, torch.float32) < TOLERANCE[torch.float32]
     metadata, _, _ = random_step(contexts, queries, 6, 2, 64)
     plan = CpuKernelBackend().plan(metadata)
-    assert plan.decodes.rows.tolist() == [15, 45, 79]  # the decode rows of the flat batch
-    assert len(plan.prefills) == 4
+    rows = plan.kernel_rows
+    assert rows.rows.tolist() == list(range(sum(queries))) and plan.prefills == []  # every row of the flat batch
+    # A prefill chunk's rows see 1, 2, ... keys past its context; a decode sees its whole sequence.
+    expected = [c + i + 1 for c, q in zip(contexts, queries) for i in range(q)]
+    assert rows.seq_lens.tolist() == expected
+    tables = metadata.block_tables.tolist()
+    assert rows.block_tables.tolist() == [tables[b] for b, q in enumerate(queries) for _ in range(q)]
 
 
-def test_a_step_without_decodes_or_without_prefills() -> None:
-    assert CpuKernelBackend().plan(random_step([0, 3], [5, 4], 4, 1, 64)[0]).decodes is None
+def test_chunks_longer_than_kernel_max_rows_go_block_wise() -> None:
+    contexts, queries = [0, 16, 40, 3], [9, 1, 20, 1]
+    backend = CpuKernelBackend()
+    backend.kernel_max_rows = 8  # the 9- and 20-row chunks are long here
+    metadata, pools, query = random_step(contexts, queries, 6, 2, 64)
+    plan = backend.plan(metadata)
+    assert plan.kernel_rows.rows.tolist() == [9, 30] and [(c.begin, c.end) for c in plan.prefills] == [(0, 9), (10, 30)]
+    out = run(backend, metadata, pools, query, torch.float32)
+    reference = run(TorchGatherBackend(), metadata, pools, query, torch.float64)
+    assert (out.double() - reference).abs().max().item() < TOLERANCE[torch.float32]
+    backend.kernel_max_rows = 0  # every prefill block-wise, and no decode: no kernel rows
+    assert backend.plan(random_step([0], [5], 6, 2, 64)[0]).kernel_rows is None
+
+
+def test_a_step_of_prefills_only_or_decodes_only() -> None:
     assert error_against_reference([0, 3], [5, 4], 4, 1, 64, torch.float32) < TOLERANCE[torch.float32]
-    assert CpuKernelBackend().plan(random_step([4, 9], [1, 1], 4, 1, 64)[0]).prefills == []
+    assert error_against_reference([4, 9], [1, 1], 4, 1, 64, torch.float32) < TOLERANCE[torch.float32]
+    assert CpuKernelBackend().plan(random_step([], [], 4, 1, 64)[0]).kernel_rows is None  # an empty step
+
+
+def test_the_c_store_writes_through_the_slot_mapping_and_skips_padding() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        key_pool, value_pool = torch.zeros(5, 4, 3, 8, dtype=dtype), torch.zeros(5, 4, 3, 8, dtype=dtype)
+        expected_keys, expected_values = key_pool.clone(), value_pool.clone()
+        qkv = torch.randn(6, 2, 3, 8, generator=gen).to(dtype)
+        key, value = qkv[:, 0], qkv[:, 1]  # (N, KV, d), strided as the model's projections are
+        slots = torch.tensor([7, -1, 0, 19, 12, -1])  # -1: padded rows write nowhere
+        cpu_kernels.store_kv(key_pool, value_pool, slots, key, value)
+        TorchGatherBackend().store_kv(expected_keys, expected_values, slots, key, value)
+        assert torch.equal(key_pool, expected_keys) and torch.equal(value_pool, expected_values)
+        with pytest.raises(ValueError, match="outside"):
+            cpu_kernels.store_kv(key_pool, value_pool, torch.tensor([0, 1, 2, 3, 20, 4]), key, value)
+        assert torch.equal(key_pool, expected_keys)  # nothing written when one slot is bad
+        with pytest.raises(ValueError, match="shapes disagree"):
+            cpu_kernels.store_kv(key_pool, value_pool, slots[:5], key, value)
+        with pytest.raises(TypeError, match="one dtype"):
+            cpu_kernels.store_kv(key_pool, value_pool, slots, key.double(), value)
 
 
 def test_a_strided_query_is_read_through_its_strides() -> None:
@@ -98,10 +137,9 @@ def test_a_strided_query_is_read_through_its_strides() -> None:
     wide = torch.randn(2, 6, 128)
     wide[:, :, :64] = query.float()
     strided = wide[:, :, :64]  # (N, H, d) with a row stride of 6 * 128
-    plan = CpuKernelBackend().plan(metadata)
+    rows = CpuKernelBackend().plan(metadata).kernel_rows
     out = torch.zeros(2, 6, 64)
-    paged_decode(strided, key_pool, value_pool, plan.decodes.block_tables, plan.decodes.seq_lens,
-                 plan.decodes.rows, out)
+    paged_decode(strided, key_pool, value_pool, rows.block_tables, rows.seq_lens, rows.rows, out)
     reference = run(TorchGatherBackend(), metadata, pools, query, torch.float64)
     assert (out.double() - reference).abs().max().item() < TOLERANCE[torch.float32]
 
@@ -109,7 +147,7 @@ def test_a_strided_query_is_read_through_its_strides() -> None:
 def test_bad_inputs_are_refused_before_the_c_code_runs() -> None:
     metadata, pools, query = random_step([5, 40], [1, 1], 6, 2, 64)
     key_pool, value_pool = (p.float() for p in pools)
-    decodes = CpuKernelBackend().plan(metadata).decodes
+    decodes = CpuKernelBackend().plan(metadata).kernel_rows
     args = (key_pool, value_pool, decodes.block_tables, decodes.seq_lens, decodes.rows)
     out = torch.empty(2, 6, 64)
     with pytest.raises(TypeError, match="float32"):

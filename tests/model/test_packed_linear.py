@@ -1,5 +1,6 @@
-"""oneDNN-packed linear weights: the same outputs as nn.Linear to float tolerance, only inside
-`installed()`, the same greedy tokens from an engine, and their memory counted by the KV budget."""
+"""oneDNN-packed linear weights: the same outputs as nn.Linear to float tolerance, packed in place as one
+copy (a tied head left plain), the same greedy tokens from an engine, and packing only where it is owned
+or asked for."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ import copy
 import pytest
 import torch
 
-from llm_runtime import EngineConfig, LLMEngine, SamplingParams
-from llm_runtime.attention import kv_block_bytes
-from llm_runtime.engine.kv_budget import activation_bytes, tensor_bytes
-from llm_runtime.model.packed_linear import PackedLinears, packing_unsupported_reason
+from llm_runtime import LLM, EngineConfig, LLMEngine, SamplingParams
+from llm_runtime.engine.kv_budget import tensor_bytes
+from llm_runtime.model.packed_linear import PackedLinear, is_packed, pack_linears_, packing_unsupported_reason
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch without oneDNN")
 
@@ -21,48 +21,63 @@ def float_model(tiny_pairs):
     return copy.deepcopy(tiny_pairs["qwen3"][0]).float()
 
 
-def test_packed_layers_compute_the_same_logits_and_only_while_installed(float_model) -> None:
+def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, PackedLinear))}
+
+
+def test_packing_in_place_keeps_the_logits_and_one_copy_of_the_weights(float_model) -> None:
     input_ids = torch.randint(0, float_model.config.vocab_size, (1, 37), generator=torch.Generator().manual_seed(0))
+    plain_weights = {name: m.weight.detach().clone() for name, m in _linears(float_model).items()}
+    plain_state = {name: t.clone() for name, t in float_model.state_dict().items()}
+    bytes_before = tensor_bytes(float_model)
     with torch.inference_mode():
         plain = float_model.compute_logits(float_model(input_ids)[0])
-        packed = PackedLinears(float_model)
-        linears = [m for m in float_model.modules() if isinstance(m, torch.nn.Linear)]
-        assert len(packed) == len(linears) and packed.nbytes >= sum(m.weight.numel() * 4 for m in linears)
-        with packed.installed():
-            assert all("forward" in vars(m) for m in linears)  # routed through the packed copy
-            through_packed = float_model.compute_logits(float_model(input_ids)[0])
-        assert not any("forward" in vars(m) for m in linears)  # and back to nn.Linear's own
-        again = float_model.compute_logits(float_model(input_ids)[0])
-    assert torch.equal(again, plain)
+    packed_names = pack_linears_(float_model)
+    linears = _linears(float_model)
+    tied = float_model.config.tie_word_embeddings
+    # Every linear layer is packed, except a head that shares the embedding's weight (a second copy).
+    assert set(packed_names) == set(linears) - ({"lm_head"} if tied else set())
+    assert all(isinstance(linears[name], PackedLinear) for name in packed_names)
+    assert is_packed(float_model) and pack_linears_(float_model) == []  # packing twice changes nothing
+    # The plain weights are gone: about the same bytes as before (the blocked layout may pad a little).
+    assert bytes_before <= tensor_bytes(float_model) < 1.05 * bytes_before
+    for name in packed_names:  # and come back exactly, unpacked on demand
+        assert torch.equal(linears[name].weight, plain_weights[name])
+    assert set(float_model.state_dict()) == set(plain_state)
+    assert all(torch.equal(float_model.state_dict()[k], v) for k, v in plain_state.items())
+    with torch.inference_mode():
+        through_packed = float_model.compute_logits(float_model(input_ids)[0])
     assert (through_packed - plain).abs().max().item() < 1e-4  # another order of additions
 
 
-def test_the_engine_with_packed_weights_gives_the_same_greedy_tokens(float_model) -> None:
+def test_the_engine_packs_only_a_model_it_owns_or_is_asked_to(float_model) -> None:
     prompts = [list(range(3, 40)), [5] * 9, list(range(10, 70))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    tokens, blocks = {}, {}
-    block_bytes = kv_block_bytes(float_model.config, 16, torch.float32)
-    options = dict(max_num_seqs=4, max_num_batched_tokens=32)
-    # An emulated device with room for the weights, the activations and 100 blocks besides (fewer than 4 sequences could use).
-    held = tensor_bytes(float_model) + activation_bytes(float_model, EngineConfig(**options))
-    device_memory = int((held + 100 * block_bytes) / EngineConfig().gpu_memory_utilization)
-    for prepack in (False, True):
-        engine = LLMEngine(float_model, None, EngineConfig(**options, prepack_weights=prepack,
-                                                           cpu_device_memory=device_memory))
-        assert engine.stats().prepacked_weights is prepack
+    tokens = {}
+    for prepack in (None, True):  # None: a model passed in is not the engine's, so it stays plain
+        engine = LLMEngine(float_model, None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32,
+                                                           prepack_weights=prepack, num_kv_blocks=40))
+        assert engine.stats().prepacked_weights is bool(prepack) and is_packed(float_model) is bool(prepack)
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, params)
         finished = {}
         while engine.has_unfinished_requests():
             finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-        tokens[prepack], blocks[prepack] = finished, engine.block_manager.num_total_blocks
-        packed_bytes = engine.packed_weight_bytes
+        tokens[prepack] = finished
         engine.shutdown()
-        assert engine.packed_linears is None  # freed with the engine
-    assert tokens[True] == tokens[False]
-    # The packed copy is device memory: the pool is smaller by its size in blocks.
-    assert blocks[False] == pytest.approx(100, abs=1) and packed_bytes > 0
-    assert blocks[False] - blocks[True] == pytest.approx(packed_bytes / block_bytes, abs=1)
+    assert tokens[True] == tokens[None]
+    assert is_packed(float_model)  # packing lasts beyond the engine, like model.half()
+
+
+def test_an_engine_that_loaded_its_model_packs_it(float_model) -> None:
+    owned = copy.deepcopy(float_model)
+    engine = LLMEngine(owned, None, EngineConfig(num_kv_blocks=8), owns_model=True)
+    assert engine.stats().prepacked_weights and is_packed(owned)
+    engine = LLMEngine(copy.deepcopy(float_model), None, EngineConfig(num_kv_blocks=8, prepack_weights=False),
+                       owns_model=True)
+    assert not engine.stats().prepacked_weights
+    with LLM(num_kv_blocks=16) as llm:  # the bundled model, loaded by LLM itself
+        assert llm.llm_engine.stats().prepacked_weights is (packing_unsupported_reason(llm.model) is None)
 
 
 def test_packing_is_refused_where_it_does_not_apply(tiny_pairs) -> None:
@@ -70,5 +85,7 @@ def test_packing_is_refused_where_it_does_not_apply(tiny_pairs) -> None:
     assert "float32" in packing_unsupported_reason(model64)
     with pytest.raises(ValueError, match="prepack_weights=True, but"):
         LLMEngine(model64, None, EngineConfig(prepack_weights=True, num_kv_blocks=8))
-    with pytest.raises(ValueError, match="prepack_weights must be True or False"):
+    engine = LLMEngine(model64, None, EngineConfig(num_kv_blocks=8), owns_model=True)  # auto: left plain
+    assert not engine.stats().prepacked_weights and not is_packed(model64)
+    with pytest.raises(ValueError, match="prepack_weights must be True, False or None"):
         EngineConfig(prepack_weights="auto")

@@ -117,8 +117,8 @@ class BlockwiseBackend(AttentionBackend):
     def plan(self, metadata: AttentionMetadata) -> BlockwisePlan:
         return BlockwisePlan(self._plan_decode_groups(metadata), self._plan_prefills(metadata))
 
-    def _plan_prefills(self, metadata: AttentionMetadata) -> list[PrefillChunk]:
-        """Each prefill chunk's rows and the tiles of its cached prefix."""
+    def _plan_prefills(self, metadata: AttentionMetadata, min_rows: int = 2) -> list[PrefillChunk]:
+        """Each prefill chunk's rows and the tiles of its cached prefix (chunks of at least `min_rows` rows)."""
         size = metadata.block_size
         device = metadata.block_tables.device
         tile_blocks = max(1, self.tile_tokens // size)
@@ -126,7 +126,7 @@ class BlockwiseBackend(AttentionBackend):
         offsets = row_offsets(metadata)
         prefills = []
         for b, count in enumerate(metadata.query_lens_host):
-            if count == 1:
+            if count < max(min_rows, 2):
                 continue
             cached = seq_lens[b] - count
             tiles = []

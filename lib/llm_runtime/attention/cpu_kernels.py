@@ -29,7 +29,8 @@ import torch
 from ..model.bundled import default_cache_dir
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode.c", "paged_decode_body.h")
+SOURCES = ("paged_decode.c", "paged_decode_body.h", "store_kv.c")
+COMPILED = ("paged_decode.c", "store_kv.c")  # one library from these
 # Tried in order: the fastest build this compiler accepts. -march=native lets it use the machine's
 # widest vectors (AVX-512 here); -fopenmp uses the libgomp PyTorch already loaded, so both share threads.
 FLAG_SETS = (
@@ -59,7 +60,7 @@ def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
     handle, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
     command = [compiler, *flags, "-fPIC", "-shared", "-I", str(SOURCE_DIR),
-               str(SOURCE_DIR / "paged_decode.c"), "-o", scratch]
+               *(str(SOURCE_DIR / name) for name in COMPILED), "-o", scratch]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as error:
@@ -93,6 +94,12 @@ def load_library() -> ctypes.CDLL:
                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # tables, stride, seq_lens
                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # rows, num_seqs, out
                                      ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float]
+            library.store_kv.restype = ctypes.c_int
+            library.store_kv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # key, strides
+                                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # value, strides
+                                         ctypes.c_void_p, ctypes.c_int64,  # slot_mapping, num_rows
+                                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,  # pools, num_slots
+                                         ctypes.c_int, ctypes.c_int64]  # num_kv_heads, head_bytes
             return library
         errors.append(f"{compiler} {' '.join(flags)}: {error}")
     raise KernelUnavailable("the C kernel did not compile:\n" + "\n".join(errors))
@@ -162,6 +169,37 @@ def paged_decode(
     if status != 0:
         raise ValueError(f"the C kernel does not handle {num_heads} heads over {num_kv_heads} KV heads "
                          f"of dim {head_dim} (at most 256 query heads, and heads x head dim at most 16384)")
+
+
+def store_kv(key_pool: torch.Tensor, value_pool: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor) -> None:
+    """Write key, value (N, KV, d) at flat slots `slot_mapping` (N,) of the pools (num_blocks, block_size,
+    KV, d); -1 writes nowhere. The same contract as `AttentionBackend.store_kv`, in one C call
+    (csrc/store_kv.c). ValueError, with nothing written, if a slot lies outside the pool."""
+    if not (key.dtype == value.dtype == key_pool.dtype == value_pool.dtype):
+        raise TypeError(f"key {key.dtype}, value {value.dtype} and pools {key_pool.dtype}/{value_pool.dtype} "
+                        f"must share one dtype")
+    if any(t.device.type != "cpu" for t in (key, value, key_pool, value_pool, slot_mapping)):
+        raise ValueError("the C store runs on CPU tensors only")
+    if not (key_pool.is_contiguous() and value_pool.is_contiguous() and slot_mapping.is_contiguous()):
+        raise ValueError("pools and slot_mapping must be contiguous")
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("key's and value's last dimension must be contiguous")
+    if slot_mapping.dtype != torch.int64:
+        raise TypeError(f"slot_mapping is int64, got {slot_mapping.dtype}")
+    num_rows, num_kv_heads, head_dim = key.shape
+    if value.shape != key.shape or key_pool.shape[2:] != key.shape[1:] or value_pool.shape != key_pool.shape \
+            or slot_mapping.shape != (num_rows,):
+        raise ValueError(f"shapes disagree: key {tuple(key.shape)}, value {tuple(value.shape)}, pools "
+                         f"{tuple(key_pool.shape)} / {tuple(value_pool.shape)}, slots {tuple(slot_mapping.shape)}")
+    size = key.element_size()
+    status = load_library().store_kv(
+        key.data_ptr(), key.stride(0) * size, key.stride(1) * size,
+        value.data_ptr(), value.stride(0) * size, value.stride(1) * size,
+        slot_mapping.data_ptr(), num_rows, key_pool.data_ptr(), value_pool.data_ptr(),
+        key_pool.shape[0] * key_pool.shape[1], num_kv_heads, head_dim * size)
+    if status != 0:
+        raise ValueError(f"slot_mapping has a slot outside [-1, {key_pool.shape[0] * key_pool.shape[1]})")
 
 
 def check_indices(block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor, *, num_rows: int,

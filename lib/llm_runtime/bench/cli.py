@@ -43,8 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # the engines compare on equal terms.
     parser.add_argument("--max-num-seqs", type=int, default=256, help="engine and hf-continuous: batch cap")
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    parser.add_argument("--prepack-weights", action="store_true",
-                        help="engine: oneDNN-packed linear weights (CPU, float32; a second copy of the weights)")
+    parser.add_argument("--no-prepack-weights", action="store_true",
+                        help="engine: keep nn.Linear's plain weights (by default the bench's model is repacked "
+                             "for oneDNN in place where that applies: the CPU in float32)")
     parser.add_argument("--attention-backends", default="auto",
                         help="engine: comma-separated attention backends, one engine run each (lesson 11)")
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python",
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from .benchmark import EngineRunner, HFContinuousRunner, HFStaticRunner, run_benchmark, with_poisson_arrivals
     from ..model import load_model
     from ..model.loader import resolve_model_folder
+    from ..model.packed_linear import packing_unsupported_reason
     from .roofline import measure_peaks
 
     names = [n.strip() for n in args.runners.split(",") if n.strip()]
@@ -102,8 +104,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     out = Path(args.output_dir)
+    # The bench loaded this model for its engines alone, so it packs it as an engine that owns its model would.
+    prepack = not args.no_prepack_weights and packing_unsupported_reason(model) is None
     engine_options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                      "prepack_weights": args.prepack_weights}
+                      "prepack_weights": prepack}
     runners = []
     if "engine" in names:
         backends = [b.strip() for b in args.attention_backends.split(",") if b.strip()] or ["auto"]

@@ -31,7 +31,7 @@ from ..attention.selector import select_backend
 from ..config import EngineConfig
 from ..errors import EngineDeadError, InvalidRequestError
 from ..model import CausalLM
-from ..model.packed_linear import PackedLinears, packing_unsupported_reason
+from ..model.packed_linear import is_packed, pack_linears_, packing_unsupported_reason
 from ..model.tokenizer import Tokenizer
 from ..sampling import Sampler, SamplingParams
 from .block_manager import BlockManager
@@ -63,7 +63,7 @@ class EngineStats:
     prefix_cache_hit_tokens: int
     num_failed_requests: int = 0  # requests a failed step finished with an error
     attention_backend: str = ""  # the attention backend's name (lesson 11)
-    prepacked_weights: bool = False  # linear layers run on oneDNN-packed weights (EngineConfig.prepack_weights)
+    prepacked_weights: bool = False  # the model's linear layers run on oneDNN-packed weights (prepack_weights)
 
     @property
     def num_used_blocks(self) -> int:
@@ -78,7 +78,11 @@ class EngineStats:
 class LLMEngine:
     """Holds the KV pool, the scheduler, the model runner and every live request."""
 
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer | None, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer | None, config: EngineConfig | None = None, *,
+                 owns_model: bool = False) -> None:
+        """`owns_model`: the caller loaded `model` for this engine alone (`LLM(...)`, `serve`), so the engine
+        may change it in place (`prepack_weights`); a model passed in from outside is left as it is unless
+        the config asks."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
@@ -91,7 +95,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} cannot be scheduled with enable_chunked_prefill="
                              f"False and max_num_batched_tokens={config.max_num_batched_tokens}: a sequence must "
                              f"fit in one step (max_model_len <= max_num_batched_tokens + 1)")
-        self.packed_linears = self._pack_linears()  # before the KV budget, which counts the packed copy
+        self._pack_linears(owns_model)  # before the KV budget, which counts the weights as they end up
         num_blocks = self._num_kv_blocks(config.max_model_len or limit)
         block_size = config.block_size
         if config.max_model_len is not None and config.max_model_len > num_blocks * block_size:
@@ -115,7 +119,7 @@ class LLMEngine:
                                                   block_size)
         logger.info("attention backend: %s", self.attention_backend.name)
         self.model_runner = ModelRunner(model, Sampler(seed=config.seed, device=model.device), self.kv_cache,
-                                        self.profile, self.attention_backend, self.packed_linears)
+                                        self.profile, self.attention_backend)
         self.input_processor = InputProcessor(tokenizer, model.config, config, context_len=context_len,
                                               max_model_len=self.max_model_len, num_kv_blocks=num_blocks)
         self.output_processor = OutputProcessor(tokenizer)
@@ -124,21 +128,20 @@ class LLMEngine:
         self._num_steps = 0
         self._num_idle_steps = 0  # consecutive steps that scheduled nothing while requests were left
 
-    def _pack_linears(self) -> PackedLinears | None:
-        """The packed copy of the linear weights, if the config asks for it."""
-        if not self.config.prepack_weights:
-            return None
+    def _pack_linears(self, owns_model: bool) -> None:
+        """Repack the model's linear weights for oneDNN, in place, if the config asks for it, or leaves it
+        to the engine (None) and the engine owns the model and packing applies here."""
+        wanted = self.config.prepack_weights
         reason = packing_unsupported_reason(self.model)
+        if wanted is None:
+            wanted = owns_model and reason is None
+        if not wanted:
+            return
         if reason is not None:
             raise ValueError(f"prepack_weights=True, but {reason}")
-        packed = PackedLinears(self.model)
-        logger.info("packed %d linear layers for oneDNN (%.0f MB)", len(packed), packed.nbytes / 2**20)
-        return packed
-
-    @property
-    def packed_weight_bytes(self) -> int:
-        """Device memory held by this engine's packed weights (the KV budget counts them)."""
-        return self.packed_linears.nbytes if self.packed_linears is not None else 0
+        packed = pack_linears_(self.model)
+        if packed:
+            logger.info("packed %d linear layers for oneDNN, in place", len(packed))
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         """The pool size: num_kv_blocks, else kv_cache_memory, else what the device has left (kv_budget.py)."""
@@ -148,7 +151,7 @@ class LLMEngine:
         if config.kv_cache_memory is not None:
             nbytes = config.kv_cache_memory
         else:
-            nbytes = kv_cache_memory(model, config, max_model_len, extra_bytes=self.packed_weight_bytes)
+            nbytes = kv_cache_memory(model, config, max_model_len)
         num_blocks = num_blocks_in(nbytes, model.config, config.block_size, model.dtype)
         if num_blocks < 1:
             raise ValueError(f"{nbytes} bytes of KV memory hold no block of {config.block_size} tokens "
@@ -164,7 +167,6 @@ class LLMEngine:
             self.abort_request(request_id)
         self.is_shut_down = True
         self.kv_cache.release()
-        self.packed_linears = self.model_runner.packed_linears = None
         CPU_DEVICE.release(self)
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -220,7 +222,7 @@ class LLMEngine:
             prefix_cache_hit_tokens=scheduler.num_prefix_hit_tokens,
             num_failed_requests=self.num_failed_requests,
             attention_backend=self.attention_backend.name,
-            prepacked_weights=self.packed_linears is not None,
+            prepacked_weights=is_packed(self.model),
         )
 
     def has_unfinished_requests(self) -> bool:

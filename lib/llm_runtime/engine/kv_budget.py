@@ -7,8 +7,8 @@ On CUDA, "already holds" is measured: the peak of a profiled forward pass over t
 (weights, activations, and every tensor still alive in the process, another engine's pool
 included) plus the memory held outside PyTorch. On the CPU the device is emulated: its memory is
 `EngineConfig.cpu_device_memory`, and "already holds" is counted: this model's weights, an
-estimate of the activations of the largest step, and the pools, weights and packed weights of every
-engine still alive in the process (the `DeviceLedger`). So a notebook that creates a second engine while the
+estimate of the activations of the largest step, and the pools and weights (packed or plain) of
+every engine still alive in the process (the `DeviceLedger`). So a notebook that creates a second engine while the
 first still holds its pool fails on a laptop exactly where it would fail on a GPU, and
 `LLM.shutdown()` (or `with LLM(...) as llm:`) gives the memory back on both.
 """
@@ -33,6 +33,9 @@ def tensor_bytes(module: torch.nn.Module) -> int:
     """Bytes of a module's parameters and buffers, each storage counted once (tied embeddings share one)."""
     seen: dict[int, int] = {}
     for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.is_mkldnn:  # an opaque packed weight (model/packed_linear.py): no storage to look at
+            seen[id(tensor)] = tensor.numel() * tensor.element_size()
+            continue
         storage = tensor.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
@@ -78,7 +81,7 @@ class DeviceLedger:
         for engine in list(self._engines):
             if engine.model.device != device:
                 continue
-            pools += engine.kv_cache.nbytes + engine.packed_weight_bytes
+            pools += engine.kv_cache.nbytes
             models[id(engine.model)] = engine.model
         return pools + sum(tensor_bytes(m) for m in models.values())
 
@@ -86,15 +89,14 @@ class DeviceLedger:
 CPU_DEVICE = DeviceLedger()
 
 
-def kv_cache_memory(model: CausalLM, config: EngineConfig, max_model_len: int, extra_bytes: int = 0) -> int:
-    """Bytes for the KV pool by the rule above (the config gave neither num_kv_blocks nor kv_cache_memory);
-    `extra_bytes`: what the new engine holds besides the model and its pool (its packed weights)."""
+def kv_cache_memory(model: CausalLM, config: EngineConfig, max_model_len: int) -> int:
+    """Bytes for the KV pool by the rule above (the config gave neither num_kv_blocks nor kv_cache_memory)."""
     block = kv_block_bytes(model.config, config.block_size, model.dtype)
     if model.device.type == "cuda":
         headroom = profile_kv_cache_memory(model, config, min_bytes=block)
     else:
         total = int(config.cpu_device_memory * config.gpu_memory_utilization)
-        held = CPU_DEVICE.held_bytes(model.device, besides=model) + activation_bytes(model, config) + extra_bytes
+        held = CPU_DEVICE.held_bytes(model.device, besides=model) + activation_bytes(model, config)
         headroom = total - held
         if headroom < block:
             raise RuntimeError(

@@ -37,19 +37,20 @@ class LLM:
     ) -> None:
         """`model`: None (bundled), a folder or a hub id; `engine_options`: EngineConfig fields."""
         loaded, tokenizer = load_model(model, device=device, dtype=dtype)
-        self._init(loaded, tokenizer, EngineConfig(**engine_options))  # type: ignore[arg-type]
+        self._init(loaded, tokenizer, EngineConfig(**engine_options), owns_model=True)  # type: ignore[arg-type]
 
     @classmethod
     def from_model(cls, model: CausalLM, tokenizer: Tokenizer | None, **engine_options: object) -> "LLM":
-        """An LLM around an already loaded model (lessons and tests share one model this way)."""
+        """An LLM around an already loaded model (lessons and tests share one model this way). The engine
+        leaves the model as it is unless asked (`prepack_weights=True` repacks its linear layers in place)."""
         llm = cls.__new__(cls)
-        llm._init(model, tokenizer, EngineConfig(**engine_options))  # type: ignore[arg-type]
+        llm._init(model, tokenizer, EngineConfig(**engine_options), owns_model=False)  # type: ignore[arg-type]
         return llm
 
-    def _init(self, model: CausalLM, tokenizer: Tokenizer | None, config: EngineConfig) -> None:
+    def _init(self, model: CausalLM, tokenizer: Tokenizer | None, config: EngineConfig, owns_model: bool) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.llm_engine = LLMEngine(model, tokenizer, config)
+        self.llm_engine = LLMEngine(model, tokenizer, config, owns_model=owns_model)
         self._next_id = 0
 
     def shutdown(self) -> None:

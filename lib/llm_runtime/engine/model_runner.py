@@ -12,7 +12,6 @@ The runner reads and writes the engine's pool; `kv_budget.py` decides how big it
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field, fields
 
@@ -23,7 +22,6 @@ from ..attention.kv_cache import PagedKVCache
 from ..attention.metadata import AttentionMetadata
 from ..attention.torch_gather import TorchGatherBackend
 from ..model import CausalLM
-from ..model.packed_linear import PackedLinears
 from ..sampling import Sampler
 from .outputs import Logprobs
 from .scheduler import ScheduledBatch, ScheduledSequence
@@ -70,10 +68,8 @@ class ModelRunner:
     """Turns a ScheduledBatch into model inputs, runs the forward pass over the paged pool and samples."""
 
     def __init__(self, model: CausalLM, sampler: Sampler, kv_cache: PagedKVCache,
-                 profile: StepProfile | None = None, attention_backend: AttentionBackend | None = None,
-                 packed_linears: PackedLinears | None = None) -> None:
+                 profile: StepProfile | None = None, attention_backend: AttentionBackend | None = None) -> None:
         self.model = model
-        self.packed_linears = packed_linears  # oneDNN-packed linear weights for this runner's forward passes
         self.sampler = sampler
         self.kv_cache = kv_cache
         self.attention_backend = attention_backend if attention_backend is not None else TorchGatherBackend()
@@ -82,10 +78,6 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> ModelRunnerOutput:
         """One forward pass over the batch; samples for every sequence whose chunk reaches its last token."""
-        with self.packed_linears.installed() if self.packed_linears is not None else contextlib.nullcontext():
-            return self._run(batch)
-
-    def _run(self, batch: ScheduledBatch) -> ModelRunnerOutput:
         device = self.model.device
         started = time.perf_counter()
         self.kv_cache.copy_blocks(batch.block_copies)  # copy-on-write, before anyone writes this step

@@ -1,4 +1,4 @@
-"""Linear layers with oneDNN-packed weights, for an engine's forward passes on the CPU.
+"""Linear layers with oneDNN-packed weights, for the CPU: the model's own weights, repacked in place.
 
 A CPU matrix multiply spends much of its time rearranging the weight into the blocked layout its
 inner kernel reads (panels that fit the vector registers and caches). `nn.Linear` hands MKL the
@@ -8,11 +8,12 @@ layout, and `torch.ops.mkldnn._linear_pointwise` multiplies by it directly. On t
 CPU runs that made the linear layers of a 128-row step about 1.6-1.9x faster; vLLM's CPU build
 prepacks its weights the same way, and `torch.compile` does it when it freezes a graph.
 
-`PackedLinears` packs a model's linear layers once (a second copy of their weights, which the
-engine counts against its device memory) and, only while `installed()` is active, routes each
-layer's forward through the packed copy. The model itself is not changed: other engines and
-`generate` calls on the same model keep using its plain weights, and the packed copy is freed
-with the engine.
+`pack_linears_(model)` swaps each `nn.Linear` of the model for a `PackedLinear` holding the packed
+weight instead of the plain one, so the weights stay one copy in memory. A linear layer whose
+weight another module shares (an LM head tied to the embedding) keeps its plain weight: packing
+it would be a second copy. The change is in place and lasting, like `model.half()`: every later
+forward pass (the engine's, `generate`'s) multiplies by the packed weights. An engine does this to
+a model it owns (one that `LLM(...)` or `serve` loaded) or when asked (`prepack_weights=True`).
 
 Supported on the CPU in float32 when PyTorch was built with oneDNN (`torch.backends.mkldnn`).
 The result differs from `nn.Linear`'s in the last bits (another order of additions).
@@ -20,65 +21,81 @@ The result differs from `nn.Linear`'s in the last bits (another order of additio
 
 from __future__ import annotations
 
-import types
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 from torch import nn
-
-from .causal_lm import CausalLM
 
 # The number of rows oneDNN tunes the packed layout for; any row count works with the result.
 PACKING_ROWS_HINT = 128
 
 
-def packing_unsupported_reason(model: CausalLM) -> str | None:
+def packing_unsupported_reason(model: nn.Module) -> str | None:
     """None when this model's linear layers can be packed here; otherwise why not."""
-    if model.device.type != "cpu":
+    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    if not weights:
+        return None
+    if any(w.device.type != "cpu" for w in weights):
         return "packed weights are for the CPU"
-    if model.dtype != torch.float32:
-        return f"packed weights are used in float32 only, the model is {model.dtype}"
+    if any(w.dtype != torch.float32 for w in weights):
+        return f"packed weights are used in float32 only, the model is {weights[0].dtype}"
     if not torch.backends.mkldnn.is_available():
         return "this PyTorch was built without oneDNN"
     return None
 
 
-class PackedLinears:
-    """A packed copy of every `nn.Linear` weight of `model`, used by its forward only inside `installed()`."""
+class PackedLinear(nn.Module):
+    """y = x W^T + b, with W kept only in oneDNN's blocked layout (an opaque tensor: its shape, not its
+    storage, is visible). `weight` gives the plain (out, in) matrix back, as a new tensor."""
 
-    def __init__(self, model: CausalLM, rows_hint: int = PACKING_ROWS_HINT) -> None:
-        reason = packing_unsupported_reason(model)
-        if reason is not None:
-            raise ValueError(reason)
-        self._packed: list[tuple[nn.Linear, torch.Tensor]] = []
-        with torch.inference_mode():
-            for module in model.modules():
-                if isinstance(module, nn.Linear):
-                    weight = module.weight.detach()  # (out, in)
-                    self._packed.append((module, torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)))
-        # An opaque oneDNN tensor: its size, not its storage, is visible (the blocked layout pads a little).
-        self.nbytes = sum(packed.numel() * packed.element_size() for _, packed in self._packed)
+    def __init__(self, linear: nn.Linear, rows_hint: int = PACKING_ROWS_HINT) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows_hint)  # (out, in), blocked
+        # Not in the state dict as is (an opaque tensor cannot be saved): _save_to_state_dict writes `weight`.
+        self.register_buffer("packed_weight", packed, persistent=False)
+        self.bias = linear.bias
 
-    def __len__(self) -> int:
-        return len(self._packed)
+    @property
+    def weight(self) -> torch.Tensor:
+        """The plain (out, in) weight, unpacked into a new tensor (for inspection and saving)."""
+        return self.packed_weight.to_dense()
 
-    @contextmanager
-    def installed(self) -> Iterator[None]:
-        """Within this block, each packed layer's forward multiplies by its packed weight."""
-        for module, packed in self._packed:
-            module.forward = types.MethodType(_packed_forward(packed, module.bias), module)  # an instance attribute
-        try:
-            yield
-        finally:
-            for module, _ in self._packed:
-                del module.forward  # the class's own forward again
+    @property
+    def nbytes(self) -> int:
+        return self.packed_weight.numel() * self.packed_weight.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # (..., in) -> (M, in)
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")  # (M, out)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.weight  # loadable into an unpacked model
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None):
-    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # (..., in) -> (M, in)
-        out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")  # (M, out)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+def pack_linears_(model: nn.Module, rows_hint: int = PACKING_ROWS_HINT) -> list[str]:
+    """Replace, in place, every `nn.Linear` of `model` whose weight no other module shares by a `PackedLinear`;
+    returns the names of the layers packed (none if it was packed before). Raises ValueError where packing
+    does not apply (`packing_unsupported_reason`)."""
+    reason = packing_unsupported_reason(model)
+    if reason is not None:
+        raise ValueError(reason)
+    uses: dict[int, int] = {}
+    for _, parameter in model.named_parameters(remove_duplicate=False):
+        uses[id(parameter)] = uses.get(id(parameter), 0) + 1
+    packed = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and uses[id(module.weight)] == 1:
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, PackedLinear(module, rows_hint))
+            packed.append(name)
+    return packed
 
-    return forward
+
+def is_packed(model: nn.Module) -> bool:
+    """Whether any of the model's linear layers runs on packed weights."""
+    return any(isinstance(m, PackedLinear) for m in model.modules())
