@@ -1,8 +1,9 @@
-"""This package's C kernel for paged decode attention on the CPU: compiled on first use, called with ctypes.
+"""This package's C kernels for paged attention on the CPU: compiled on first use, called with ctypes.
 
 PyTorch has no CPU operator that reads keys where they lie in a paged pool, so the `cpu` backend
-brings its own: `csrc/paged_decode.c`, plain C with OpenMP (the file explains the algorithm). It
-includes no PyTorch header, so the system C compiler builds it in about a second the first time a
+brings its own: `csrc/paged_decode.c` (attention, plain C with OpenMP; the file explains the
+algorithm) and `csrc/store_kv.c` (the step's keys and values into the pool). They include no
+PyTorch header, so the system C compiler builds it in about a second the first time a
 process needs it; the shared library is cached under $XDG_CACHE_HOME/llm_runtime/kernels, keyed
 by the source, the compiler flags and the machine, and loaded with ctypes. PyTorch tensors are
 passed as raw pointers, so the wrapper checks every dtype, layout and shape the C code assumes.
@@ -126,7 +127,8 @@ def paged_decode(
     indices_checked: bool = False,
 ) -> None:
     """Write into out[rows[b]] (num_heads, d) the attention of query[rows[b]] over the first seq_lens[b]
-    keys of sequence b's blocks (block_tables[b]), for every b: one decode per sequence.
+    keys of the blocks block_tables[b], for every b: each entry a query row that sees a prefix of its
+    sequence (a decode, or one row of a prefill chunk).
 
     query (N, H, d) with its last dimension contiguous; key_pool, value_pool (num_blocks, block_size,
     KV, d) contiguous; block_tables (B, max_blocks) int32 contiguous; seq_lens (B,) int32; rows (B,)

@@ -2,10 +2,11 @@
  * Paged decode attention on the CPU, reading keys and values where they lie in the block pool.
  *
  * The same algorithm as the Triton kernel's decode path (lesson 11), written as plain C so the
- * compiler can vectorize it and OpenMP can spread it over the cores: one work item per sequence;
- * it walks the sequence's block table, and for every chunk of keys updates an online softmax for
- * every query head, so each key and value is read from memory once per step and layer. Nothing is
- * copied out of the pool and no mask is built.
+ * compiler can vectorize it and OpenMP can spread it over the cores: one work item per query row
+ * (a decode, or one row of a prefill chunk, which is a decode over the keys up to its position);
+ * it walks its sequence's block table, and for every chunk of keys updates an online softmax for
+ * every query head, so a decode reads each key and value from memory once per step and layer.
+ * Nothing is copied out of the pool and no mask is built.
  *
  * Exported: paged_decode_f32 and paged_decode_bf16 (the body is paged_decode_body.h, included once
  * per element type). Each returns 0, or 1 for shapes it does not handle.

@@ -4,7 +4,7 @@
  * float), CHUNK_SCORES (one head's scores for a chunk of keys of T) and AXPY_CHUNK (a float row
  * plus the weighted sum of a chunk of rows of T). Accumulation is always float32.
  *
- * One work item per sequence b. It walks the sequence's block table CHUNK keys at a time. For every
+ * One work item per query row b. It walks the row's block table CHUNK keys at a time. For every
  * chunk and KV head g, it computes the scores of the query heads that share g, then updates their
  * online softmax (running maximum, running sum, running numerator): each key and value is read
  * from memory once per step and layer. Blocks lie anywhere in the pool, so the CPU's prefetcher
