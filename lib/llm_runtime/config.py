@@ -173,8 +173,8 @@ class EngineConfig:
     cpu_device_memory: int = DEFAULT_CPU_DEVICE_MEMORY  # the CPU's emulated device memory (the KV budget's rule)
     enable_prefix_caching: bool = True  # reuse computed blocks of equal prefixes across requests
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS (lesson 11)
-    # The model's linear weights repacked in place for oneDNN (model/packed_linear.py; the CPU, float32):
-    # faster linear layers, same memory. None: when the engine owns the model (LLM(...), serve) and it applies.
+    # The model's linear weights repacked in place for oneDNN (model/packed_linear.py; the CPU, float32): faster
+    # linear layers, the same memory but for a tied head's copy. None: if the engine owns the model (LLM(...)).
     prepack_weights: bool | None = None
     # Limits on what one request may ask for (the input processor refuses more, naming the field).
     max_logprobs: int = 20  # top logprobs per token (`logprobs`, `prompt_logprobs`), as vLLM's default

@@ -129,8 +129,8 @@ class LLMEngine:
         self._num_idle_steps = 0  # consecutive steps that scheduled nothing while requests were left
 
     def _pack_linears(self, owns_model: bool) -> None:
-        """Repack the model's linear weights for oneDNN, in place, if the config asks for it, or leaves it
-        to the engine (None) and the engine owns the model and packing applies here."""
+        """Repack the model's linear weights for oneDNN, in place: when the config says True, or says None
+        (the default) and the engine owns the model and packing applies here."""
         wanted = self.config.prepack_weights
         reason = packing_unsupported_reason(self.model)
         if wanted is None:
