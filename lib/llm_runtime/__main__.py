@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                      help="fraction of device memory this process may use (another process on the GPU? lower it)")
     srv.add_argument("--kv-cache-memory", type=int, default=None, help="the KV pool in bytes (default: the rule)")
+    srv.add_argument("--enforce-eager", action="store_true", help="no torch.compile, no CUDA graphs")
     srv.add_argument("--check-invariants", action="store_true", help="check the scheduler's books every step")
     args = parser.parse_args(argv)
 
@@ -62,22 +63,30 @@ def main(argv: list[str] | None = None) -> int:
         from . import LLMEngine, load_model
         from .config import EngineConfig
         from .model import BUNDLED_MODEL_NAME
+        from .serving.async_engine import step_thread
         from .serving.server import serve
 
-        try:
+        def build() -> LLMEngine:
             model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
-            engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=args.max_num_seqs,
-                                                              max_model_len=args.max_model_len,
-                                                              gpu_memory_utilization=args.gpu_memory_utilization,
-                                                              kv_cache_memory=args.kv_cache_memory,
-                                                              check_invariants=args.check_invariants),
-                               owns_model=True)
+            return LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=args.max_num_seqs,
+                                                            max_model_len=args.max_model_len,
+                                                            gpu_memory_utilization=args.gpu_memory_utilization,
+                                                            kv_cache_memory=args.kv_cache_memory,
+                                                            check_invariants=args.check_invariants,
+                                                            enforce_eager=args.enforce_eager),
+                             owns_model=True)
+
+        # Built on the thread that will run its steps: PyTorch's CPU threads stay one team (async_engine.py).
+        executor = step_thread()
+        try:
+            engine = executor.submit(build).result()
         except (ValueError, RuntimeError) as error:
+            executor.shutdown()
             print(f"error: {error}", file=sys.stderr)
             return 2
         name = args.served_model_name or (str(args.model).rstrip("/").split("/")[-1] if args.model
                                           else BUNDLED_MODEL_NAME)
-        serve(engine, name, args.host, args.port, args.max_waiting_requests, args.max_request_bytes)
+        serve(engine, name, args.host, args.port, args.max_waiting_requests, args.max_request_bytes, executor)
         return 0
 
     from . import SamplingParams, encode_chat, generate, load_model

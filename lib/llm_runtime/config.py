@@ -173,9 +173,14 @@ class EngineConfig:
     cpu_device_memory: int = DEFAULT_CPU_DEVICE_MEMORY  # the CPU's emulated device memory (the KV budget's rule)
     enable_prefix_caching: bool = True  # reuse computed blocks of equal prefixes across requests
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS (lesson 11)
-    # The model's linear weights repacked in place for oneDNN (model/packed_linear.py; the CPU, float32): faster
-    # linear layers, the same memory but for a tied head's copy. None: if the engine owns the model (LLM(...)).
+    # The model's linear weights repacked in place for oneDNN (model/packed_linear.py; the CPU, float32 and
+    # bfloat16): faster linear layers, the same memory but for a tied head's copy. None: if the engine owns the
+    # model (LLM(...)).
     prepack_weights: bool | None = None
+    # The layers' pointwise parts (RMSNorm, rotary, SiLU-and-multiply) through torch.compile (model/pointwise.py).
+    # None: where it wins, on CUDA, if the engine owns the model. enforce_eager=True never compiles.
+    compile_pointwise: bool | None = None
+    enforce_eager: bool = False  # as vLLM's: no torch.compile, no CUDA graphs; every step runs eagerly
     # Limits on what one request may ask for (the input processor refuses more, naming the field).
     max_logprobs: int = 20  # top logprobs per token (`logprobs`, `prompt_logprobs`), as vLLM's default
     max_num_stop_strings: int = 16  # stop strings per request
@@ -201,8 +206,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
-        if self.prepack_weights is not None and not isinstance(self.prepack_weights, bool):
-            raise ValueError(f"prepack_weights must be True, False or None, got {self.prepack_weights!r}")
+        for name in ("prepack_weights", "compile_pointwise"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        if self.enforce_eager and self.compile_pointwise:
+            raise ValueError("compile_pointwise=True asks for torch.compile, which enforce_eager=True forbids")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")

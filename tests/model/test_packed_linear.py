@@ -90,3 +90,16 @@ def test_packing_is_refused_where_it_does_not_apply(tiny_pairs) -> None:
     assert not engine.stats().prepacked_weights and not is_packed(model64)
     with pytest.raises(ValueError, match="prepack_weights must be True, False or None"):
         EngineConfig(prepack_weights="auto")
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no bfloat16 instructions for oneDNN")
+def test_bfloat16_weights_pack_and_keep_the_logits(tiny_pairs) -> None:
+    model = copy.deepcopy(tiny_pairs["qwen2"][0]).to(torch.bfloat16)
+    input_ids = torch.randint(0, model.config.vocab_size, (1, 23), generator=torch.Generator().manual_seed(1))
+    assert packing_unsupported_reason(model) is None
+    with torch.inference_mode():
+        plain = model.compute_logits(model(input_ids)[0]).float()
+        pack_linears_(model)
+        packed = model.compute_logits(model(input_ids)[0]).float()
+    assert is_packed(model)
+    torch.testing.assert_close(packed, plain, rtol=0.05, atol=0.05)  # bfloat16: another order of additions

@@ -13,6 +13,7 @@ from llm_runtime.sampling import (
     apply_min_p,
     apply_penalties,
     apply_top_k,
+    apply_top_k_top_p,
     apply_top_p,
 )
 
@@ -200,3 +201,37 @@ def test_logprobs_are_the_raw_distribution() -> None:
 def test_mismatched_params_count_is_an_error() -> None:
     with pytest.raises(ValueError, match="SamplingParams"):
         Sampler()(torch.randn(2, 10), [SamplingParams()])
+
+
+def _full_sort_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The reference: top-k by a full sort of the vocabulary, then top-p by another."""
+    kth_largest = logits.sort(dim=-1, descending=True).values.gather(1, top_k - 1)
+    return apply_top_p(logits.masked_fill(logits < kth_largest, -math.inf), top_p)
+
+
+@pytest.mark.parametrize("case", ["distinct", "ties", "top-p alone in some rows", "top-k alone in some rows"])
+def test_top_k_then_top_p_on_candidates_equals_sorting_the_vocabulary(case: str) -> None:
+    generator = torch.Generator().manual_seed(3)
+    vocab = 300
+    logits = torch.randn(16, vocab, generator=generator) * 3
+    if case == "ties":  # coarse logits: many equal values, also at the top-k boundary
+        logits = logits.round()
+    top_k = torch.randint(1, 40, (16, 1), generator=generator)
+    top_p = torch.rand(16, 1, generator=generator) * 0.9 + 0.05
+    if case == "top-p alone in some rows":
+        top_k[::3] = vocab
+    if case == "top-k alone in some rows":
+        top_p[::3] = 1.0
+    expected = _full_sort_top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(apply_top_k_top_p(logits, top_k, top_p), expected)
+    assert torch.equal(apply_top_k(logits, top_k), _full_sort_top_k_top_p(logits, top_k, torch.ones(16, 1)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_in_the_model_dtype_takes_the_first_of_equal_maxima(dtype: torch.dtype) -> None:
+    logits = torch.zeros(64, 1000, dtype=dtype)
+    for row in range(64):  # the maximum twice in every row: argmax's answer is the first
+        logits[row, [row * 7, row * 7 + 1 + row]] = 1.0
+    params = [SamplingParams(temperature=0.0)] * 64
+    out = Sampler(seed=0)(logits, params)
+    assert torch.equal(out.token_ids, logits.float().argmax(dim=-1))

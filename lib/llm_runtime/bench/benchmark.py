@@ -330,9 +330,9 @@ class BenchmarkReport:
         lines = [f"{'runner':18} {'out tok/s':>10} {'x best HF':>9} {'req/s':>7} {'TTFT p50':>9} {'TPOT p50':>9} "
                  f"{'ITL p99':>8} {'FLOP roof':>9} {'same':>5}"]
         for name, m in self.runs.items():
-            ratio = m.output_throughput / self.runs[best].output_throughput if best else float("nan")
+            ratio = f"{m.output_throughput / self.runs[best].output_throughput:8.2f}x" if best else f"{'-':>9}"
             fraction = self.flop_fraction(name)
-            lines.append(f"{name:18} {m.output_throughput:10.1f} {ratio:8.2f}x {m.request_throughput:7.2f} "
+            lines.append(f"{name:18} {m.output_throughput:10.1f} {ratio} {m.request_throughput:7.2f} "
                          f"{1000 * m.ttft.median:7.0f}ms {1000 * m.tpot.median:7.1f}ms {1000 * m.itl.p99:6.0f}ms "
                          f"{'' if fraction is None else f'{100 * fraction:8.1f}%':>9} "
                          f"{100 * self.identical_outputs[name]:4.0f}%")

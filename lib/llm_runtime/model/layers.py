@@ -7,13 +7,12 @@ checkpoint's state dict loads without renaming.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..attention.causal import causal_attention
 from ..config import ModelConfig
 from ..attention.kv_cache import KVCache
-from .rope import apply_rotary
+from .pointwise import EAGER_OPS
 
 
 class RMSNorm(nn.Module):
@@ -23,12 +22,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.ops = EAGER_OPS  # eager or compiled (pointwise.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(input_dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class MLP(nn.Module):
@@ -40,9 +37,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inner, bias=bias)
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.ops = EAGER_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class Attention(nn.Module):
@@ -60,6 +58,7 @@ class Attention(nn.Module):
         # Qwen3 normalises each head of q and k before the rotation.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.ops = EAGER_OPS
 
     def forward(
         self,
@@ -76,7 +75,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, d)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self.ops.rotary(q, cos, sin), self.ops.rotary(k, cos, sin)
 
         if kv_cache is None:
             out = causal_attention(q, k, v, num_cached=0)  # (B, H, T, d): the whole sequence is here

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # The number of rows oneDNN tunes the packed layout for; any row count works with the result.
 PACKING_ROWS_HINT = 128
 
@@ -38,10 +39,12 @@ def packing_unsupported_reason(model: nn.Module) -> str | None:
         return None
     if any(w.device.type != "cpu" for w in weights):
         return "packed weights are for the CPU"
-    if any(w.dtype != torch.float32 for w in weights):
-        return f"packed weights are used in float32 only, the model is {weights[0].dtype}"
     if not torch.backends.mkldnn.is_available():
         return "this PyTorch was built without oneDNN"
+    if any(w.dtype not in PACKED_DTYPES for w in weights):
+        return f"packed weights are used in float32 and bfloat16 only, the model is {weights[0].dtype}"
+    if weights[0].dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "this CPU has no bfloat16 instructions oneDNN can use"
     return None
 
 

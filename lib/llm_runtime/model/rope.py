@@ -11,6 +11,7 @@ import math
 import torch
 
 from ..config import RopeConfig
+from .pointwise import rotary
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -59,7 +60,4 @@ class RotaryEmbedding(torch.nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x_i, x_{i+d/2}) by each position's angle. x (B, heads, T, d); cos, sin (B, T, d)."""
-    cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, d): broadcast over heads
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return rotary(x, cos, sin)

@@ -1,7 +1,7 @@
 """Sampling: `SamplingParams` (what a request asks for) and the batched `Sampler` (how tokens are drawn)."""
 
 from .params import FIELD_BOUNDS, GREEDY_TEMPERATURE, Bounds, RequestOutputKind, SamplingParams
-from .sampler import Sampler, SamplerOutput, apply_min_p, apply_penalties, apply_top_k, apply_top_p
+from .sampler import Sampler, SamplerOutput, apply_min_p, apply_penalties, apply_top_k, apply_top_k_top_p, apply_top_p
 
 __all__ = [
     "FIELD_BOUNDS",
@@ -14,5 +14,6 @@ __all__ = [
     "apply_min_p",
     "apply_penalties",
     "apply_top_k",
+    "apply_top_k_top_p",
     "apply_top_p",
 ]

@@ -69,20 +69,50 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Keep each row's top_k (B, 1) largest logits (ties at the boundary kept); top_k = vocab keeps all."""
-    sorted_logits = logits.sort(dim=-1, descending=True).values
-    kth_largest = sorted_logits.gather(1, top_k - 1)  # (B, 1)
-    return logits.masked_fill(logits < kth_largest, -math.inf)
+    """Keep each row's top_k (B, 1) largest logits (ties at the boundary kept); top_k = vocab keeps all.
+
+    `topk` finds the k-th largest without sorting the vocabulary: it selects the largest k (k = the
+    largest top_k asked for in the batch), where a sort orders all of them."""
+    return apply_top_k_top_p(logits, top_k, None)
+
+
+def _top_p_remove(ascending: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """For logits sorted ascending (B, C): True where a token goes, keeping the smallest set of most
+    likely tokens whose mass reaches top_p (B, 1), boundary token included."""
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)  # ascending: mass of this token and all smaller
+    # A token goes when the tokens above it already hold top_p of the mass.
+    remove = cumulative <= 1 - top_p
+    remove[:, -1] = False  # the most likely token always stays
+    return remove
 
 
 def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (B, 1), boundary token included."""
     sorted_logits, order = logits.sort(dim=-1, descending=False)
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # ascending: mass of this token and all smaller
-    # A token goes when the tokens above it already hold top_p of the mass.
-    remove_sorted = cumulative <= 1 - top_p
-    remove_sorted[:, -1] = False  # the most likely token always stays
-    remove = torch.zeros_like(remove_sorted).scatter(1, order, remove_sorted)
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool).scatter(1, order, _top_p_remove(sorted_logits, top_p))
+    return logits.masked_fill(remove, -math.inf)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Top-k (B, 1) then top-p (B, 1); either may be None. Where every row has a top-k, top-p sorts only
+    the candidates top-k kept (at most the largest top_k of the batch), not the whole vocabulary."""
+    if top_k is None:
+        return logits if top_p is None else apply_top_p(logits, top_p)
+    limited = top_k < logits.shape[-1]  # (B, 1): rows with top_k = vocab keep everything
+    if not bool(limited.any()):
+        return logits if top_p is None else apply_top_p(logits, top_p)
+    k_max = int(top_k[limited].max())
+    values, ids = logits.topk(k_max, dim=-1)  # (B, k_max), descending
+    kth_largest = values.gather(1, top_k.clamp(max=k_max) - 1).masked_fill(~limited, -math.inf)  # (B, 1)
+    logits = logits.masked_fill(logits < kth_largest, -math.inf)
+    if top_p is None:
+        return logits
+    kept = (logits > -math.inf).sum(dim=-1)  # (B,) ties at the boundary may keep more than top_k
+    if not bool(limited.all()) or bool((kept > k_max).any()):
+        return apply_top_p(logits, top_p)  # some candidates lie beyond the top k_max: sort them all
+    candidates = values.masked_fill(torch.arange(k_max, device=logits.device) >= kept[:, None], -math.inf)
+    remove_sorted = _top_p_remove(candidates.flip(-1), top_p).flip(-1)  # (B, k_max), descending order
+    remove = torch.zeros_like(logits, dtype=torch.bool).scatter(1, ids, remove_sorted)
     return logits.masked_fill(remove, -math.inf)
 
 
@@ -118,19 +148,20 @@ class Sampler:
         if len(params) != batch:
             raise ValueError(f"got {len(params)} SamplingParams for {batch} rows of logits")
         generators = generators if generators is not None else [None] * batch
-        raw_logits = logits.float()
-        logits = raw_logits
+        raw_logits = logits  # the model's dtype: a greedy batch needs no float32 copy of (B, vocab)
         if blocked_token_ids is not None and any(blocked_token_ids):
             rows = [row for row, ids in enumerate(blocked_token_ids) for _ in ids]
             columns = [token for ids in blocked_token_ids for token in ids]
             index = (torch.tensor(rows, device=logits.device), torch.tensor(columns, device=logits.device))
-            logits = logits.index_put(index, torch.tensor(-math.inf, device=logits.device))
+            logits = logits.float().index_put(index, torch.tensor(-math.inf, device=logits.device))
         if any(p.has_penalties for p in params):
             logits = apply_penalties(
-                logits, params, output_token_ids or [[]] * batch, prompt_token_ids or [[]] * batch
+                logits.float(), params, output_token_ids or [[]] * batch, prompt_token_ids or [[]] * batch
             )
 
-        token_ids = logits.argmax(dim=-1)  # greedy rows keep this
+        # Greedy rows keep this. `max` returns the first of equal maxima, as argmax does, and on the CPU
+        # it is several times faster than argmax over a (B, vocab) batch in bfloat16.
+        token_ids = logits.max(dim=-1).indices
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
             token_ids = self._sample_rows(logits, params, generators, random_rows, token_ids)
@@ -139,7 +170,7 @@ class Sampler:
         num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if num_top is not None:
             # As vLLM does by default, logprobs describe the model's raw distribution.
-            logprobs = raw_logits.log_softmax(dim=-1)
+            logprobs = raw_logits.float().log_softmax(dim=-1)
             output.logprobs = logprobs.gather(1, token_ids[:, None]).squeeze(1)
             if num_top > 0:
                 output.top_logprobs, output.top_token_ids = logprobs.topk(min(num_top, vocab), dim=-1)
@@ -156,16 +187,17 @@ class Sampler:
         device, vocab = logits.device, logits.shape[1]
         row_index = torch.tensor(rows, device=device)
         chosen = [params[i] for i in rows]
-        logits = logits[row_index]  # (R, V)
+        logits = logits[row_index].float()  # (R, V)
         temperature = torch.tensor([p.temperature for p in chosen], device=device)[:, None]
         logits = logits / temperature
         if any(p.min_p > 0 for p in chosen):
             logits = apply_min_p(logits, torch.tensor([p.min_p for p in chosen], device=device)[:, None])
+        top_k = top_p = None
         if any(0 < p.top_k < vocab for p in chosen):
-            top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in chosen]
-            logits = apply_top_k(logits, torch.tensor(top_k, device=device)[:, None])
+            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in chosen], device=device)[:, None]
         if any(p.top_p < 1 for p in chosen):
-            logits = apply_top_p(logits, torch.tensor([p.top_p for p in chosen], device=device)[:, None])
+            top_p = torch.tensor([p.top_p for p in chosen], device=device)[:, None]
+        logits = apply_top_k_top_p(logits, top_k, top_p)
         probs = logits.softmax(dim=-1)  # (R, V)
 
         # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) draws token i with probability p_i,

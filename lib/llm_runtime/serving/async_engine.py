@@ -14,6 +14,14 @@ nothing: if one is refused, none is added. A client that stops listening calls `
 (the server does it when the connection drops): the request is aborted at the next step boundary
 and its KV blocks are freed; its id stays taken until then.
 
+One thread runs every step, and it should be the thread that built the engine: PyTorch's CPU
+operations run on an OpenMP team owned by the calling thread, and once a second thread has one, the
+two teams' workers outnumber a small machine's cores and OpenMP stops spinning between parallel
+regions. On this package's 2-core CI machine a one-sequence decode step took 28 ms on the thread that
+loaded the model and 41-45 ms on any thread after another one had run PyTorch. So `serve` builds the
+engine on `step_thread()` and hands that thread here (`step_executor`); without one, the loop makes its
+own thread, which is slower on the CPU when the engine was built elsewhere.
+
 Thread safety: only the loop task touches the engine's state, and only while no step runs.
 Handlers read `snapshot`, the engine's stats taken by the loop after each step.
 """
@@ -34,7 +42,12 @@ from ..sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLMEngine", "EngineBusyError", "EngineDeadError", "EngineSnapshot", "RequestStream"]
+__all__ = ["AsyncLLMEngine", "EngineBusyError", "EngineDeadError", "EngineSnapshot", "RequestStream", "step_thread"]
+
+
+def step_thread() -> ThreadPoolExecutor:
+    """A one-thread executor for everything that runs PyTorch: build the engine on it, then step on it."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-runtime-step")
 
 
 @dataclass(frozen=True)
@@ -78,7 +91,10 @@ class RequestStream:
 class AsyncLLMEngine:
     """Drives an `LLMEngine` from one background task; many concurrent clients, one model."""
 
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 256) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 256, *,
+                 step_executor: ThreadPoolExecutor | None = None) -> None:
+        """`step_executor`: a one-thread executor to run steps on, best the one that built `engine`
+        (`step_thread()`); the async engine owns it from now on and shuts it down in `stop()`."""
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
         self.engine = engine
@@ -89,7 +105,7 @@ class AsyncLLMEngine:
         self._ids = itertools.count()
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        self._step_executor: ThreadPoolExecutor | None = None
+        self._step_executor: ThreadPoolExecutor | None = step_executor
         self._input_executor: ThreadPoolExecutor | None = None
         self._num_processing = 0  # requests being validated on the input thread
         self.snapshot = self._take_snapshot()
@@ -101,7 +117,8 @@ class AsyncLLMEngine:
         if self._task is not None:
             raise RuntimeError("the engine loop is already running")
         self._wakeup = asyncio.Event()
-        self._step_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-runtime-step")
+        if self._step_executor is None:
+            self._step_executor = step_thread()
         # One thread: the tokenizer is not safe to share between threads that encode at once.
         self._input_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-runtime-input")
         self._task = asyncio.create_task(self._run(), name="llm-runtime-engine-loop")
@@ -121,6 +138,7 @@ class AsyncLLMEngine:
         for executor in (self._step_executor, self._input_executor):
             assert executor is not None
             executor.shutdown(wait=True)
+        self._step_executor = None
         self._fail_streams(EngineDeadError("the engine stopped"))
 
     async def shutdown(self) -> None:

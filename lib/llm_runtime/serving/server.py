@@ -22,6 +22,7 @@ import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -134,9 +135,11 @@ def _openapi(app: FastAPI, request_models: tuple[type[BaseModel], ...]) -> dict[
 
 # ------------------------------------------------------------------------------------------ the app
 def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 256,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """The FastAPI app; the engine loop starts and stops with it."""
-    async_engine = AsyncLLMEngine(engine, max_waiting_requests)
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               step_executor: ThreadPoolExecutor | None = None) -> FastAPI:
+    """The FastAPI app; the engine loop starts and stops with it. `step_executor`: the thread that built
+    the engine, to step on (async_engine.py says why)."""
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests, step_executor=step_executor)
     metrics = ServerMetrics(async_engine)
     config = engine.config
     limits = protocol.EngineLimits(engine.model.config.vocab_size, engine.max_model_len, config.max_num_seqs,
@@ -306,8 +309,9 @@ def sse_events(events: AsyncIterator[dict]) -> AsyncIterator[str]:
 
 
 def serve(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          max_waiting_requests: int = 256, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+          max_waiting_requests: int = 256, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+          step_executor: ThreadPoolExecutor | None = None) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(engine, model_name, max_waiting_requests, max_request_bytes), host=host, port=port,
-                log_level="info")
+    uvicorn.run(create_app(engine, model_name, max_waiting_requests, max_request_bytes, step_executor), host=host,
+                port=port, log_level="info")
