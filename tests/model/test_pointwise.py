@@ -14,6 +14,7 @@ from llm_runtime.model.pointwise import EAGER_OPS, compiled_ops, pointwise_ops_o
 
 def test_compiled_ops_equal_eager_ones_over_many_step_sizes() -> None:
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     compiled = compiled_ops()
     generator = torch.Generator().manual_seed(0)
     with torch._dynamo.config.patch(error_on_recompile=False):
@@ -31,7 +32,7 @@ def test_compiled_ops_equal_eager_ones_over_many_step_sizes() -> None:
 
 
 def test_an_engine_with_compiled_ops_gives_the_same_greedy_tokens(tiny_pairs) -> None:
-    model = copy.deepcopy(tiny_pairs["llama"][0])  # float64
+    model = copy.deepcopy(tiny_pairs["llama3"][0])  # float64
     prompts = [[(7 * i + j) % model.config.vocab_size for j in range(3 + 5 * i)] for i in range(5)]
     params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
 
@@ -49,7 +50,7 @@ def test_an_engine_with_compiled_ops_gives_the_same_greedy_tokens(tiny_pairs) ->
 def test_enforce_eager_refuses_compilation_and_the_cpu_default_stays_eager(tiny_pairs) -> None:
     with pytest.raises(ValueError, match="enforce_eager"):
         EngineConfig(enforce_eager=True, compile_pointwise=True)
-    model = copy.deepcopy(tiny_pairs["llama"][0])
+    model = copy.deepcopy(tiny_pairs["llama3"][0])
     engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=8), owns_model=True)  # CPU: measured no faster
     assert engine.stats().pointwise_ops == "eager"
     engine.shutdown()

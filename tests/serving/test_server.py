@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import httpx
 import openai
@@ -181,3 +182,32 @@ def test_a_full_queue_answers_busy(bundled) -> None:
 
     accepted, busy = asyncio.run(scenario())
     assert accepted == 2 and busy == 4
+
+
+def test_steps_run_on_the_executor_that_built_the_engine(bundled) -> None:
+    """`serve` builds the engine on `step_thread()` and steps there: PyTorch's CPU work stays on one thread."""
+    from llm_runtime.serving.async_engine import step_thread
+
+    model, tokenizer = bundled
+    executor = step_thread()
+    builder = executor.submit(lambda: threading.get_ident()).result()
+    engine = executor.submit(lambda: LLMEngine(model, tokenizer, EngineConfig(kv_cache_memory=TEST_KV_MEMORY))).result()
+    stepped_on: set[int] = set()
+    step = engine.step
+
+    def recording_step():
+        stepped_on.add(threading.get_ident())
+        return step()
+
+    engine.step = recording_step
+
+    async def scenario() -> None:
+        async_engine = AsyncLLMEngine(engine, step_executor=executor)
+        await async_engine.start()
+        stream = await async_engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3))
+        async for _ in stream:
+            pass
+        await async_engine.shutdown()
+
+    asyncio.run(scenario())
+    assert stepped_on == {builder}

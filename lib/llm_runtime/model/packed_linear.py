@@ -18,8 +18,10 @@ rows, 33 and 18 ms for 64. The change is in place and lasting, like `model.half(
 forward pass (the engine's, `generate`'s) multiplies by the packed weights. An engine does this to
 a model it owns (one that `LLM(...)` or `serve` loaded) or when asked (`prepack_weights=True`).
 
-Supported on the CPU in float32 when PyTorch was built with oneDNN (`torch.backends.mkldnn`).
-The result differs from `nn.Linear`'s in the last bits (another order of additions).
+Supported on the CPU in float32, and in bfloat16 where the CPU has bfloat16 instructions oneDNN uses,
+when PyTorch was built with oneDNN (`torch.backends.mkldnn`). In bfloat16 on the CI machine packing
+made a 64-row step's linears 1.3x faster and a 1-row one's 2.2x, the gain shrinking to 1.1x at 256
+rows. The result differs from `nn.Linear`'s in the last bits (another order of additions).
 """
 
 from __future__ import annotations
