@@ -4,8 +4,9 @@ A ragged (varlen) batch has no padding. The tokens of every scheduled sequence a
 into one row, `(1, N)` with N = total new tokens, each with its own position. The linear layers
 (most of the compute) run once over all N tokens; attention splits them back per sequence, since
 each sequence attends only to its own past, which the attention backend finds in the blocks of one
-shared pool through each sequence's block table (lessons 07 and 11). The step's `AttentionMetadata`
-(offsets, lengths, block tables, slot mapping) is built here once and read by every layer.
+shared pool through each sequence's block table (lessons 07 and 11). The step's inputs, with its
+`AttentionMetadata` (offsets, lengths, block tables, slot mapping) that every layer reads, are built
+once into persistent buffers (`input_batch.py`, lesson 12).
 
 The runner reads and writes the engine's pool; `kv_budget.py` decides how big it is.
 """
@@ -19,10 +20,10 @@ import torch
 
 from ..attention.backend import AttentionBackend, PagedAttentionStep
 from ..attention.kv_cache import PagedKVCache
-from ..attention.metadata import AttentionMetadata
 from ..attention.torch_gather import TorchGatherBackend
 from ..model import CausalLM
 from ..sampling import Sampler
+from .input_batch import InputBuffers
 from .outputs import Logprobs
 from .scheduler import ScheduledBatch, ScheduledSequence
 from .sequence import Sequence, sample_sequences
@@ -74,43 +75,30 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.attention_backend = attention_backend if attention_backend is not None else TorchGatherBackend()
         self.profile = profile if profile is not None else StepProfile()
+        self.inputs = InputBuffers(model.device, kv_cache.block_size)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> ModelRunnerOutput:
         """One forward pass over the batch; samples for every sequence whose chunk reaches its last token."""
-        device = self.model.device
         started = time.perf_counter()
         self.kv_cache.copy_blocks(batch.block_copies)  # copy-on-write, before anyone writes this step
-        token_ids: list[int] = []
-        positions: list[int] = []
-        for item in batch.items:
-            token_ids += item.seq.token_ids(item.start, item.start + item.num_new_tokens)
-            positions += range(item.start, item.start + item.num_new_tokens)
-        counts = [item.num_new_tokens for item in batch.items]
-        metadata = AttentionMetadata.build([item.block_table for item in batch.items],
-                                           [item.start for item in batch.items], counts,
-                                           block_size=self.kv_cache.block_size, device=device)
-        kv = PagedAttentionStep(self.kv_cache, self.attention_backend, metadata, self.profile)
-        input_ids = torch.tensor([token_ids], device=device)  # (1, N)
-        position_ids = torch.tensor([positions], device=device)
+        model_input = self.inputs.prepare(batch)  # persistent buffers, one copy to the device (input_batch.py)
+        kv = PagedAttentionStep(self.kv_cache, self.attention_backend, model_input.metadata, self.profile)
         prepared = time.perf_counter()
         self.profile.prepare += prepared - started
-        hidden = self.model(input_ids, kv, position_ids)  # (1, N, hidden)
+        hidden = self.model(model_input.input_ids, kv, model_input.positions)  # (1, N, hidden)
 
         output = ModelRunnerOutput()
-        offsets = [0]
-        for count in counts:
-            offsets.append(offsets[-1] + count)
+        offsets = model_input.query_start_host
         for item, offset in zip(batch.items, offsets):
             if item.is_prefill and item.seq.params.prompt_logprobs is not None:
                 self._prompt_logprobs(item, hidden[0, offset : offset + item.num_new_tokens], output)
         # Only a sequence whose chunk reaches its last known token samples; take that position.
-        sampling = [i for i, item in enumerate(batch.items) if item.samples]
+        sampling = model_input.sampling_items
         if not sampling:
             self.profile.forward += time.perf_counter() - prepared
             return output
-        last = torch.tensor([offsets[i + 1] - 1 for i in sampling], device=device)
-        logits = self.model.compute_logits(hidden[0, last])  # (R, vocab)
+        logits = self.model.compute_logits(hidden[0, model_input.logits_indices])  # (R, vocab)
         computed = time.perf_counter()
         self.profile.forward += computed - prepared
         seqs = [batch.items[i].seq for i in sampling]

@@ -1,0 +1,128 @@
+"""A step's model inputs, built once into buffers that live as long as the runner: `ModelInput`.
+
+Every step the model needs the same kinds of integers: the new tokens' ids and positions, the flat
+pool slot each one's key and value go to, where each sequence's rows start, how many keys each one
+sees, its block table, and which rows' logits are sampled. Built naively that is a dozen small
+tensors per step, each from a Python list, each its own host-to-device copy from pageable memory.
+
+`InputBuffers` writes all of them into one int64 host buffer (pinned memory on CUDA, so the copy can
+run asynchronously) with NumPy, vectorized per sequence rather than per token, and moves the step's
+used prefix to the device in one copy. The device tensors the model reads are views of one device
+buffer; the int32 ones (offsets, lengths, block tables, as the kernels take them) are cast there. On
+the CPU there is no copy at all: the views are the host buffer.
+
+The views are overwritten by the next step: nothing may keep them across steps. (On CUDA the host
+buffer is rewritten only after the previous step's sampled tokens came back to the host, which waits
+for the previous copy too.) The buffers grow when a step needs more room, so the retry of a failed
+step (one request at a time) and any batch shape work without configuration.
+
+`AttentionMetadata.build` remains the plain reference this is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from .scheduler import ScheduledBatch
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """What one step's forward pass and sampler read, built from a `ScheduledBatch`."""
+
+    input_ids: torch.Tensor  # (1, N) int64: every scheduled token, sequence after sequence
+    positions: torch.Tensor  # (1, N) int64: each token's position in its sequence
+    metadata: AttentionMetadata  # offsets, lengths, block tables and slots, for every attention layer
+    logits_indices: torch.Tensor  # (R,) int64: the flat row of the last token of each sequence that samples
+    sampling_items: tuple[int, ...]  # which of the batch's items sample (R of them), in row order
+    query_start_host: tuple[int, ...]  # (B + 1,) where each item's rows start, on the host
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+class InputBuffers:
+    """Persistent host (and device) buffers that `prepare` fills for each step."""
+
+    def __init__(self, device: torch.device | str, block_size: int, capacity: int = 1 << 14) -> None:
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.capacity = 0
+        self.num_allocations = 0  # how often the buffers were (re)allocated: once, unless a step outgrew them
+        self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        pinned = self.device.type == "cuda"
+        self.host = torch.zeros(capacity, dtype=torch.int64, pin_memory=pinned)
+        self.host_np = self.host.numpy()  # the same memory, for NumPy's vectorized writes
+        self.on_device = self.host if self.device.type == "cpu" else torch.zeros(capacity, dtype=torch.int64,
+                                                                                 device=self.device)
+        self.capacity = capacity
+        self.num_allocations += 1
+
+    def prepare(self, batch: ScheduledBatch) -> ModelInput:
+        """Write the batch's inputs into the buffers and return device views of them."""
+        items = batch.items
+        num_seqs = len(items)
+        starts = np.fromiter((item.start for item in items), dtype=np.int64, count=num_seqs)
+        counts = np.fromiter((item.num_new_tokens for item in items), dtype=np.int64, count=num_seqs)
+        seq_lens = starts + counts
+        offsets = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        num_tokens = int(offsets[-1])
+        width = max((len(item.block_table) for item in items), default=0)
+        for item, length in zip(items, seq_lens.tolist()):
+            if len(item.block_table) * self.block_size < length:
+                raise ValueError(f"a block table of {len(item.block_table)} blocks cannot hold {length} tokens")
+        sampling = tuple(i for i, item in enumerate(items) if item.samples)
+        num_sampling = len(sampling)
+
+        # One int64 buffer, in segments: ids, positions, slots (N each), logits rows (R), offsets (B + 1),
+        # lengths (B), block tables (B x width).
+        sizes = [num_tokens, num_tokens, num_tokens, num_sampling, num_seqs + 1, num_seqs, num_seqs * width]
+        bounds = np.cumsum([0, *sizes]).tolist()
+        if bounds[-1] > self.capacity:
+            self._allocate(max(bounds[-1], 2 * self.capacity))
+        host = self.host_np
+        ids, positions, slots, logits_rows, query_start, lengths, tables = (
+            host[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
+
+        # Token ids come from each sequence's list; everything else is arithmetic on whole arrays.
+        ids[:] = np.fromiter((t for item in items for t in item.seq.token_ids(item.start, item.start + item.num_new_tokens)),
+                             dtype=np.int64, count=num_tokens)
+        seq_of_token = np.repeat(np.arange(num_seqs), counts)  # (N,)
+        positions[:] = np.arange(num_tokens) - offsets[:-1][seq_of_token] + starts[seq_of_token]
+        table = tables.reshape(num_seqs, width)  # (B, width), padded with block 0
+        table[:] = 0
+        for row, item in enumerate(items):
+            table[row, : len(item.block_table)] = item.block_table
+        if num_tokens:
+            slots[:] = table[seq_of_token, positions // self.block_size] * self.block_size + positions % self.block_size
+        logits_rows[:] = offsets[1:][list(sampling)] - 1
+        query_start[:] = offsets
+        lengths[:] = seq_lens
+
+        device = self.on_device
+        if device is not self.host:  # one copy to the device for the whole step
+            device[: bounds[-1]].copy_(self.host[: bounds[-1]], non_blocking=True)
+        views = [device[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        metadata = AttentionMetadata(
+            block_size=self.block_size,
+            query_start_loc=views[4].to(torch.int32),
+            seq_lens=views[5].to(torch.int32),
+            block_tables=views[6].view(num_seqs, width).to(torch.int32),
+            slot_mapping=views[2],
+            query_lens_host=tuple(counts.tolist()),
+            seq_lens_host=tuple(seq_lens.tolist()),
+            block_tables_host=tuple(tuple(item.block_table) for item in items),
+        )
+        return ModelInput(input_ids=views[0][None], positions=views[1][None], metadata=metadata,
+                          logits_indices=views[3], sampling_items=sampling, query_start_host=tuple(offsets.tolist()))
