@@ -11,7 +11,7 @@ import torch
 
 from llm_runtime import LLM, EngineConfig, LLMEngine, SamplingParams
 from llm_runtime.engine.kv_budget import tensor_bytes
-from llm_runtime.model.packed_linear import PackedLinear, is_packed, pack_linears_, packing_unsupported_reason
+from llm_runtime.model.packed_linear import FusedPackedLinear, PackedLinear, is_packed, pack_linears_, packing_unsupported_reason
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch without oneDNN")
 
@@ -42,8 +42,15 @@ def test_packing_in_place_keeps_the_logits_and_one_copy_of_the_weights(tiny_pair
     # for a head tied to the embedding, whose packed weight is a second copy (the embedding keeps its own).
     tied_copy = linears["lm_head"].nbytes if float_model.config.tie_word_embeddings else 0
     assert bytes_before + tied_copy <= tensor_bytes(float_model) < 1.05 * bytes_before + tied_copy
-    for name in packed_names:  # and come back exactly, unpacked on demand
-        assert torch.equal(linears[name].weight, plain_weights[name])
+    for name in packed_names:  # and come back exactly, unpacked on demand (a fused group: its parts side by side)
+        module = linears[name]
+        parent = name.rpartition(".")[0]
+        parts = [f"{parent}.{part}" for part in module.part_names] if isinstance(module, FusedPackedLinear) else [name]
+        assert torch.equal(module.weight, torch.cat([plain_weights[part] for part in parts]))
+    fused = sorted(name.rpartition(".")[2] for name in packed_names if isinstance(linears[name], FusedPackedLinear))
+    assert fused.count("qkv_proj") == fused.count("gate_up_proj") == float_model.config.num_layers
+    assert {name.rpartition(".")[2] for name in linears} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj",
+                                                             "lm_head"}
     assert set(float_model.state_dict()) == set(plain_state)
     assert all(torch.equal(float_model.state_dict()[k], v) for k, v in plain_state.items())
     with torch.inference_mode():

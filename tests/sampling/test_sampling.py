@@ -235,3 +235,28 @@ def test_greedy_in_the_model_dtype_takes_the_first_of_equal_maxima(dtype: torch.
     params = [SamplingParams(temperature=0.0)] * 64
     out = Sampler(seed=0)(logits, params)
     assert torch.equal(out.token_ids, logits.float().argmax(dim=-1))
+
+
+def test_counts_kept_on_the_device_equal_counts_from_the_lists() -> None:
+    from llm_runtime.sampling.token_counts import TokenCounts
+
+    rng = torch.Generator().manual_seed(5)
+    vocab, batch = 50, 6
+    prompts = [torch.randint(0, vocab, (int(n),), generator=rng).tolist() for n in torch.randint(1, 20, (batch,), generator=rng)]
+    outputs: list[list[int]] = [[] for _ in range(batch)]
+    counts = [TokenCounts(p, vocab, "cpu") if row % 3 else None for row, p in enumerate(prompts)]  # some rows without
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
+              if row % 3 else SamplingParams(temperature=0.0) for row in range(batch)]
+    sampler = Sampler(seed=0)
+    for _ in range(5):  # the counts follow the outputs step by step, a few tokens at a time
+        for row in range(batch):
+            outputs[row] += torch.randint(0, vocab, (int(torch.randint(0, 3, (), generator=rng)),), generator=rng).tolist()
+            if counts[row] is not None:
+                counts[row].update(outputs[row])
+        logits = torch.randn(batch, vocab, generator=rng) * 3
+        from_lists = apply_penalties(logits, params, outputs, prompts)
+        on_device = sampler(logits, params, output_token_ids=[[]] * batch, prompt_token_ids=[[]] * batch,
+                            token_counts=counts)
+        assert torch.equal(on_device.token_ids, from_lists.argmax(dim=-1))
+        assert torch.equal(sampler(logits, params, output_token_ids=outputs, prompt_token_ids=prompts).token_ids,
+                           on_device.token_ids)

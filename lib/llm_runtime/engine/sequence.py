@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..sampling import Sampler, SamplerOutput, SamplingParams
+from ..sampling.token_counts import TokenCounts
 
 
 class SequenceStatus(enum.Enum):
@@ -86,6 +87,7 @@ class Sequence:
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
         self.stop_token_ids = tuple(params.stop_token_ids)
         self.generator = generator
+        self._token_counts: TokenCounts | None = None  # penalties' counts on the device, made when first needed
         self.status = SequenceStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id or string that ended it
         self.num_computed_tokens = 0
@@ -125,6 +127,12 @@ class Sequence:
         if start >= len(prompt):  # decode: only output tokens, no copy of the prompt
             return self.output_token_ids[start - len(prompt) : end - len(prompt)]
         return (prompt + self.output_token_ids)[start:end]
+
+    def token_counts(self, vocab_size: int, device: torch.device) -> TokenCounts:
+        """This sequence's prompt mask and output counts on `device`, brought up to date (penalties)."""
+        if self._token_counts is None:
+            self._token_counts = TokenCounts(self.prompt_token_ids, vocab_size, device)
+        return self._token_counts.update(self.output_token_ids)
 
     def blocked_token_ids(self) -> tuple[int, ...]:
         """Tokens the sampler must not pick now: EOS and stop tokens, until min_tokens are out."""
@@ -173,4 +181,5 @@ def sample_sequences(sampler: Sampler, logits: torch.Tensor, sequences: list[Seq
         [seq.output_token_ids for seq in sequences],
         [seq.prompt_token_ids for seq in sequences],
         [seq.blocked_token_ids() for seq in sequences],
+        [seq.token_counts(logits.shape[1], logits.device) if seq.params.has_penalties else None for seq in sequences],
     )

@@ -31,20 +31,30 @@ class RMSNorm(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
+    # Packing for the CPU multiplies gate and up as one matrix (model/packed_linear.py).
+    FUSED_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj")}
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.gate_proj = nn.Linear(hidden, inner, bias=bias)
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.gate_up_proj: nn.Module | None = None  # gate and up as one, once packed
         self.ops = EAGER_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (..., 2 * inner) -> two (..., inner)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.ops.silu_and_mul(gate, up))
 
 
 class Attention(nn.Module):
     """Self-attention with grouped-query heads, rotary positions and an explicit KV cache."""
+
+    FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}  # one matrix once packed
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -58,6 +68,7 @@ class Attention(nn.Module):
         # Qwen3 normalises each head of q and k before the rotation.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.qkv_proj: nn.Module | None = None  # q, k and v as one, once packed
         self.ops = EAGER_OPS
 
     def forward(
@@ -69,9 +80,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x (B, T, hidden) -> (B, T, hidden), reading and extending `kv_cache` when given."""
         batch, num_new, _ = x.shape
-        q = self.q_proj(x).view(batch, num_new, self.num_heads, self.head_dim)  # (B, T, H, d)
-        k = self.k_proj(x).view(batch, num_new, self.num_kv_heads, self.head_dim)  # (B, T, KV, d)
-        v = self.v_proj(x).view(batch, num_new, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_proj.part_sizes, dim=-1)  # (B, T, (H + 2 KV) d) -> 3 parts
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(batch, num_new, self.num_heads, self.head_dim)  # (B, T, H, d)
+        k = k.view(batch, num_new, self.num_kv_heads, self.head_dim)  # (B, T, KV, d)
+        v = v.view(batch, num_new, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, d)

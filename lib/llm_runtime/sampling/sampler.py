@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .params import SamplingParams
+from .token_counts import TokenCounts
 
 
 @dataclass
@@ -42,14 +43,23 @@ def _token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device: t
 def apply_penalties(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    output_token_ids: Sequence[Sequence[int]],
-    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]] | None = None,
+    prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    *,
+    output_counts: torch.Tensor | None = None,
+    prompt_seen: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Repetition (prompt and output tokens), frequency and presence (output tokens) penalties."""
+    """Repetition (prompt and output tokens), frequency and presence (output tokens) penalties.
+
+    Each row's tokens come either as lists (`output_token_ids`, `prompt_token_ids`) or already counted on
+    the device (`output_counts` (B, V), `prompt_seen` (B, V) bool, as `TokenCounts` keeps them)."""
     batch, vocab = logits.shape
     device = logits.device
-    output_counts = _token_counts(output_token_ids, vocab, device)  # (B, V)
-    seen = (output_counts + _token_counts(prompt_token_ids, vocab, device)) > 0  # (B, V)
+    if output_counts is None:
+        output_counts = _token_counts(output_token_ids or [[]] * batch, vocab, device)  # (B, V)
+    if prompt_seen is None:
+        prompt_seen = _token_counts(prompt_token_ids or [[]] * batch, vocab, device) > 0  # (B, V)
+    seen = (output_counts > 0) | prompt_seen  # (B, V)
     repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
     frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
     presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
@@ -138,11 +148,14 @@ class Sampler:
         output_token_ids: Sequence[Sequence[int]] | None = None,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         blocked_token_ids: Sequence[Sequence[int]] | None = None,
+        token_counts: Sequence[TokenCounts | None] | None = None,
     ) -> SamplerOutput:
         """logits (B, vocab) -> SamplerOutput with token_ids (B,).
 
         Per row: the generator for seeded requests, the tokens generated so far and the prompt
-        (for penalties), and tokens that must not be picked (EOS before `min_tokens`).
+        (for penalties), and tokens that must not be picked (EOS before `min_tokens`). Rows with
+        penalties may bring their counts already on the device (`token_counts`, updated by the
+        caller); the lists are then not read.
         """
         batch, vocab = logits.shape
         if len(params) != batch:
@@ -155,9 +168,15 @@ class Sampler:
             index = (torch.tensor(rows, device=logits.device), torch.tensor(columns, device=logits.device))
             logits = logits.float().index_put(index, torch.tensor(-math.inf, device=logits.device))
         if any(p.has_penalties for p in params):
-            logits = apply_penalties(
-                logits.float(), params, output_token_ids or [[]] * batch, prompt_token_ids or [[]] * batch
-            )
+            if token_counts is not None and all(c is not None for c, p in zip(token_counts, params) if p.has_penalties):
+                # rows without penalties get empty counts: with penalties of 1, 0 and 0 they change nothing
+                empty = TokenCounts((), vocab, logits.device)
+                counts = [c if c is not None else empty for c in token_counts]
+                logits = apply_penalties(logits.float(), params,
+                                         output_counts=torch.stack([c.output_counts for c in counts]),
+                                         prompt_seen=torch.stack([c.prompt_seen for c in counts]))
+            else:
+                logits = apply_penalties(logits.float(), params, output_token_ids, prompt_token_ids)
 
         # Greedy rows keep this. `max` returns the first of equal maxima, as argmax does, and on the CPU
         # it is several times faster than argmax over a (B, vocab) batch in bfloat16.
