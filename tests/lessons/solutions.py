@@ -575,6 +575,40 @@ def paged_decode_whole_last_block(query: torch.Tensor, key_pool: torch.Tensor, v
 
 
 # ------------------------------------------------------------------------------------------ the index
+# ------------------------------------------------------------------------------------------ lesson 12
+def slot_mappings(block_tables: list[list[int]], starts: list[int], num_new_tokens: list[int],
+                  block_size: int) -> list[int]:
+    counts = torch.tensor(num_new_tokens)
+    seq = torch.repeat_interleave(torch.arange(len(starts)), counts)  # (N,) which sequence each token is
+    first_row = torch.cumsum(counts, 0) - counts  # (B,)
+    positions = torch.arange(int(counts.sum())) - first_row[seq] + torch.tensor(starts)[seq]
+    width = max(len(t) for t in block_tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables])
+    return (table[seq, positions // block_size] * block_size + positions % block_size).tolist()
+
+
+def slot_mappings_ignoring_the_start(block_tables: list[list[int]], starts: list[int], num_new_tokens: list[int],
+                                     block_size: int) -> list[int]:
+    return slot_mappings(block_tables, [0] * len(starts), num_new_tokens, block_size)
+
+
+def slot_mappings_offset_by_block_index(block_tables: list[list[int]], starts: list[int],
+                                        num_new_tokens: list[int], block_size: int) -> list[int]:
+    return [block_tables[b][p // block_size] + p % block_size  # forgets to scale the block by its size
+            for b, (start, count) in enumerate(zip(starts, num_new_tokens)) for p in range(start, start + count)]
+
+
+def fused_qkv(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+              v_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out = x @ torch.cat([q_weight, k_weight, v_weight]).T  # (tokens, q + k + v)
+    return tuple(out.split([q_weight.shape[0], k_weight.shape[0], v_weight.shape[0]], dim=-1))
+
+
+def fused_qkv_split_in_thirds(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                              v_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple((x @ torch.cat([q_weight, k_weight, v_weight]).T).chunk(3, dim=-1))
+
+
 SOLUTIONS: dict[str, Callable] = {
     "lesson01.rms_norm": rms_norm,
     "lesson01.kv_bytes_per_token": kv_bytes_per_token,
@@ -601,6 +635,8 @@ SOLUTIONS: dict[str, Callable] = {
     "lesson10.is_busy": is_busy,
     "lesson11.merge_attention": merge_attention,
     "lesson11.paged_decode": paged_decode,
+    "lesson12.slot_mappings": slot_mappings,
+    "lesson12.fused_qkv": fused_qkv,
 }
 
 WRONG: dict[str, list[Callable]] = {
@@ -629,4 +665,6 @@ WRONG: dict[str, list[Callable]] = {
     "lesson10.is_busy": [is_busy_when_full, is_busy_ignoring_the_burst],
     "lesson11.merge_attention": [merge_attention_equal_weights, merge_attention_without_the_max],
     "lesson11.paged_decode": [paged_decode_without_rescaling, paged_decode_whole_last_block],
+    "lesson12.slot_mappings": [slot_mappings_ignoring_the_start, slot_mappings_offset_by_block_index],
+    "lesson12.fused_qkv": [fused_qkv_split_in_thirds],
 }

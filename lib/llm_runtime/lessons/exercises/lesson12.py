@@ -1,0 +1,79 @@
+"""Lesson 12 exercises: a step's inputs without a loop per token, and three projections as one multiply.
+
+- `slot_mappings(block_tables, starts, num_new_tokens, block_size)`: the flat pool slot of every new
+  token of a ragged batch, against `AttentionMetadata.build` (and the engine's `InputBuffers`).
+- `fused_qkv(x, q_weight, k_weight, v_weight)`: q, k and v of `x` from one matrix multiply, against three
+  `F.linear` calls (what packing's `FusedPackedLinear` does).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.nn.functional as F
+
+from ...attention.metadata import AttentionMetadata
+from .check import Case, Compare, Verdict, close_tensors, run_cases, same_value
+
+
+def check_slot_mappings(fn: object) -> Verdict:
+    """`slot_mappings(block_tables, starts, num_new_tokens, block_size) -> list[int]`: a step's sequences,
+    each with its block table (a list of block ids), the position of its first new token and how many
+    new tokens it has. Token at position p of sequence b goes to block block_tables[b][p // block_size],
+    offset p % block_size: flat slot block * block_size + offset. Return the slots of every new token,
+    sequence after sequence, as a list of ints (tensors of the whole batch at once, no loop per token)."""
+
+    def cases() -> list[Case]:
+        rng = random.Random(12)
+        inputs = [([[7, 2], [5], [0, 3, 6]], [5, 0, 9], [3, 4, 1], 4, "the lesson's step"),
+                  ([[3]], [0], [1], 1, "blocks of one token")]
+        for _ in range(40):
+            block_size = rng.choice([1, 2, 4, 16])
+            starts, counts, tables = [], [], []
+            for _ in range(rng.randint(1, 6)):
+                start, count = rng.randrange(40), rng.randint(1, 20)
+                starts.append(start)
+                counts.append(count)
+                tables.append(rng.sample(range(200), -(-(start + count) // block_size) + rng.randint(0, 2)))
+            inputs.append((tables, starts, counts, block_size, ""))
+        return [Case({"block_tables": t, "starts": s, "num_new_tokens": n, "block_size": b},
+                     AttentionMetadata.build(t, s, n, block_size=b, device="cpu").slot_mapping.tolist(), note)
+                for t, s, n, b, note in inputs]
+
+    return run_cases("slot_mappings", fn, cases, _as_list(same_value), "llm_runtime.attention.AttentionMetadata.build")
+
+
+def _as_list(compare: Compare) -> Compare:
+    """Accept a tensor where a list is expected."""
+    return lambda expected, got: compare(expected, got.tolist() if isinstance(got, torch.Tensor) else got)
+
+
+def check_fused_qkv(fn: object) -> Verdict:
+    """`fused_qkv(x, q_weight, k_weight, v_weight) -> (q, k, v)`: x (tokens, hidden); each weight
+    (out_features, hidden), q's wider than k's and v's as in grouped-query attention. Return x @ W^T for
+    each weight, as three tensors, computed by a single matrix multiply (concatenate the weights once;
+    split the product)."""
+
+    def cases() -> list[Case]:
+        generator = torch.Generator().manual_seed(12)
+        out = []
+        for tokens, hidden, q_out, kv_out in [(1, 8, 8, 4), (5, 16, 16, 4), (3, 12, 12, 12), (17, 32, 64, 16)]:
+            x = torch.randn(tokens, hidden, generator=generator, dtype=torch.float64)
+            weights = [torch.randn(n, hidden, generator=generator, dtype=torch.float64) for n in (q_out, kv_out, kv_out)]
+            out.append(Case({"x": x, "q_weight": weights[0], "k_weight": weights[1], "v_weight": weights[2]},
+                            tuple(F.linear(x, w) for w in weights)))
+        return out
+
+    tensors = close_tensors(rtol=1e-9, atol=1e-9)
+
+    def compare(expected: tuple[torch.Tensor, ...], got: object) -> str | None:
+        if not isinstance(got, (tuple, list)) or len(got) != 3:
+            return "expected three tensors (q, k, v)"
+        for name, e, g in zip("qkv", expected, got):
+            difference = tensors(e, g)
+            if difference is not None:
+                return f"{name}: {difference}"
+        return None
+
+    return run_cases("fused_qkv", fn, cases, compare, "three F.linear calls")
