@@ -43,6 +43,7 @@ def test_an_engine_with_compiled_ops_gives_the_same_greedy_tokens(tiny_pairs) ->
 
     eager = tokens()
     assert tokens(compile_pointwise=True) == eager
+    assert pointwise_ops_of(copy.deepcopy(model)) is pointwise_ops_of(model)  # a copy runs the same compiled ops
     set_pointwise_ops_(model, EAGER_OPS)
     assert pointwise_ops_of(model).name == "eager"
 

@@ -62,6 +62,9 @@ class PointwiseOps:
     silu_and_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
+    def __deepcopy__(self, memo: dict) -> "PointwiseOps":
+        return self  # functions, shared: a copied model runs the same ones (compiled ones cannot be copied)
+
 
 EAGER_OPS = PointwiseOps("eager", rms_norm, silu_and_mul, rotary)
 
