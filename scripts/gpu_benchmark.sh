@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The benchmark of issue 5 on a CUDA machine without network access: a Qwen3-0.6B-shaped model with
 # random weights in bfloat16 (config built in code, nothing downloaded), this engine against
-# transformers' static batching and continuous batching, within about 8 minutes on one GPU.
+# transformers' static batching and continuous batching, within about 10 minutes on one GPU.
+# Before it (lesson 12): batch-1 decode per mode against the memory-bandwidth roofline (roofline.md),
+# and the engine alone on the same workload with every step eager (eager/) and with torch.compile
+# but no CUDA graphs (compiled/); the main run is the default, compiled with graphs.
 #
 #   scripts/gpu_benchmark.sh [output folder]        # default: bench-gpu/
 #
@@ -39,6 +42,9 @@ for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json
 print(f"random Qwen3-0.6B-shaped model in {folder}")
 PY
 
-exec "$PYTHON" -m llm_runtime bench --model "$MODEL_DIR" --device cuda --dtype bfloat16 \
-    --workload uniform --num-requests 256 --scale 2 --batch-sizes 64,256 --max-num-seqs 256 \
-    --max-num-batched-tokens 8192 --output-dir "$OUT" "$@"
+"$PYTHON" -m llm_runtime roofline --model "$MODEL_DIR" --device cuda --dtype bfloat16 --output-dir "$OUT"
+BENCH=("$PYTHON" -m llm_runtime bench --model "$MODEL_DIR" --device cuda --dtype bfloat16 --workload uniform
+       --num-requests 256 --scale 2 --batch-sizes 64,256 --max-num-seqs 256 --max-num-batched-tokens 8192)
+"${BENCH[@]}" --runners engine --enforce-eager --output-dir "$OUT/eager" "$@"
+"${BENCH[@]}" --runners engine --no-cuda-graphs --output-dir "$OUT/compiled" "$@"
+exec "${BENCH[@]}" --output-dir "$OUT" "$@"

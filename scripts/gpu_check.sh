@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a CUDA GPU can break, in one go, on a machine without network access:
-# every lesson under nbval in the GPU's default dtype (bfloat16 on sm80+, float16 on a T4), then the
-# GPU benchmark (scripts/gpu_benchmark.sh, trimmed to 128 requests). Within 10 minutes on one
+# every lesson under nbval in the GPU's default dtype (bfloat16 on sm80+, float16 on a T4), the unit
+# tests that need a GPU (CUDA graphs, compiled Triton kernels), then the GPU benchmark (scripts/gpu_benchmark.sh, trimmed to 128 requests). Within 10 minutes on one
 # H100/H200-class GPU. Exits non-zero if any lesson or the benchmark fails.
 #
 #   scripts/gpu_check.sh [report folder]          # default: gpu-check/
@@ -47,6 +47,17 @@ for notebook in notebooks/[0-9][0-9]_*.ipynb; do
     seconds=$(( $(date +%s) - start ))
     echo "| $name | $result | $seconds |" | tee -a "$REPORT"
 done
+
+# The unit tests that only run on a GPU: CUDA graphs, the Triton kernels compiled, the CUDA paths.
+start=$(date +%s)
+GPU_TESTS="tests/engine/test_cuda_graphs.py tests/attention/test_triton_attention.py tests/engine/test_attention_backends.py"
+if timeout 600 "$PYTHON" -m pytest -q -p no:cacheprovider $GPU_TESTS > "$OUT/gpu-tests.log" 2>&1; then
+    result=pass
+else
+    result="**FAIL** (see gpu-tests.log)"
+    failed=$((failed + 1))
+fi
+echo "| GPU unit tests | $result | $(( $(date +%s) - start )) |" | tee -a "$REPORT"
 
 echo >> "$REPORT"
 echo "## Benchmark (scripts/gpu_benchmark.sh, 128 requests)" >> "$REPORT"

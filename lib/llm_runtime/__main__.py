@@ -1,8 +1,9 @@
-"""Command line: `python -m llm_runtime prepare | generate | bench | serve`.
+"""Command line: `python -m llm_runtime prepare | generate | bench | roofline | serve`.
 
     python -m llm_runtime prepare                      # convert the bundled model into the cache (once)
     python -m llm_runtime generate "What is 2 + 2?"    # one chat answer, greedy
     python -m llm_runtime bench                        # the engine against transformers (see bench --help)
+    python -m llm_runtime roofline                     # batch-1 decode against the memory-bandwidth limit
     python -m llm_runtime serve --port 8000            # an OpenAI-compatible HTTP server
 """
 
@@ -30,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     from .bench.cli import add_arguments
 
     add_arguments(commands.add_parser("bench", help="benchmark the engine against transformers"))
+    from .bench import decode_roofline
+
+    decode_roofline.add_arguments(commands.add_parser(
+        "roofline", help="batch-1 decode per mode (eager, compiled, graphs) against the memory-bandwidth roofline"))
     srv = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
     srv.add_argument("--model", default=None, help="local folder or hub id (default: bundled SmolLM2)")
     srv.add_argument("--served-model-name", default=None, help="the name clients use (default: from --model)")
@@ -58,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.cli import run
 
         return run(args)
+
+    if args.command == "roofline":
+        return decode_roofline.run(args)
 
     if args.command == "serve":
         from . import LLMEngine, load_model

@@ -180,6 +180,9 @@ class EngineConfig:
     # The layers' pointwise parts (RMSNorm, rotary, SiLU-and-multiply) through torch.compile (model/pointwise.py).
     # None: where it wins, on CUDA, if the engine owns the model. enforce_eager=True never compiles.
     compile_pointwise: bool | None = None
+    # Decode-only steps replayed from CUDA graphs captured per batch-size bucket (engine/cuda_graphs.py).
+    # None: on CUDA, where the attention backend can be captured, unless enforce_eager.
+    cuda_graphs: bool | None = None
     enforce_eager: bool = False  # as vLLM's: no torch.compile, no CUDA graphs; every step runs eagerly
     # Limits on what one request may ask for (the input processor refuses more, naming the field).
     max_logprobs: int = 20  # top logprobs per token (`logprobs`, `prompt_logprobs`), as vLLM's default
@@ -206,13 +209,15 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
-        for name in ("prepack_weights", "compile_pointwise"):
+        for name in ("prepack_weights", "compile_pointwise", "cuda_graphs"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if self.enforce_eager and self.compile_pointwise:
             raise ValueError("compile_pointwise=True asks for torch.compile, which enforce_eager=True forbids")
+        if self.enforce_eager and self.cuda_graphs:
+            raise ValueError("cuda_graphs=True asks for CUDA graphs, which enforce_eager=True forbids")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")

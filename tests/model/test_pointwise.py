@@ -44,8 +44,12 @@ def test_an_engine_with_compiled_ops_gives_the_same_greedy_tokens(tiny_pairs) ->
     eager = tokens()
     assert tokens(compile_pointwise=True) == eager
     assert pointwise_ops_of(copy.deepcopy(model)) is pointwise_ops_of(model)  # a copy runs the same compiled ops
-    set_pointwise_ops_(model, EAGER_OPS)
-    assert pointwise_ops_of(model).name == "eager"
+    # An engine that asks for eager gets it, on a model an earlier engine compiled; one that does not say keeps it.
+    assert pointwise_ops_of(model).name == "compiled"
+    assert LLMEngine(model, None, EngineConfig(num_kv_blocks=8)).stats().pointwise_ops == "compiled"
+    assert LLMEngine(model, None, EngineConfig(num_kv_blocks=8, enforce_eager=True)).stats().pointwise_ops == "eager"
+    set_pointwise_ops_(model, compiled_ops())
+    assert LLMEngine(model, None, EngineConfig(num_kv_blocks=8, compile_pointwise=False)).stats().pointwise_ops == "eager"
 
 
 def test_enforce_eager_refuses_compilation_and_the_cpu_default_stays_eager(tiny_pairs) -> None:

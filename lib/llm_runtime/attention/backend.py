@@ -29,6 +29,11 @@ class AttentionBackend(ABC):
     what the pool holds anywhere else."""
 
     name: ClassVar[str]
+    # True when a decode step can be captured in a CUDA graph (engine/cuda_graphs.py): `plan` decides
+    # everything from the host-side shapes it is given (the graph keeps that decision), `store_kv` and
+    # `forward` launch kernels that read the device tensors only, with no host synchronization, and a
+    # padded row (slot -1, one key) writes nowhere.
+    supports_cuda_graphs: ClassVar[bool] = False
 
     @classmethod
     def is_available(cls, device: torch.device, dtype: torch.dtype) -> str | None:

@@ -49,6 +49,7 @@ class TritonBackend(AttentionBackend):
     """
 
     name = "triton"
+    supports_cuda_graphs = True  # a captured plan keeps its kernel path; the kernels read lengths on the device
 
     def __init__(self, split_kv: SplitKV = "auto", partition_size: int = 512) -> None:
         if split_kv not in ("auto", "always", "never"):

@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-pointwise", action="store_true",
                         help="engine: the layers' pointwise parts through torch.compile (default: on CUDA only)")
     parser.add_argument("--enforce-eager", action="store_true", help="engine: no torch.compile, no CUDA graphs")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="engine: every step eagerly, but torch.compile where it applies (by default decode "
+                             "steps replay CUDA graphs on CUDA)")
     parser.add_argument("--no-prepack-weights", action="store_true",
                         help="engine: keep nn.Linear's plain weights (by default the bench's model is repacked "
                              "for oneDNN in place where that applies: the CPU in float32)")
@@ -116,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     compile_pointwise = args.compile_pointwise or (model.device.type == "cuda" and not args.enforce_eager)
     engine_options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                       "prepack_weights": prepack, "compile_pointwise": compile_pointwise,
-                      "enforce_eager": args.enforce_eager}
+                      "enforce_eager": args.enforce_eager, "cuda_graphs": False if args.no_cuda_graphs else None}
     runners = []
     if "engine" in names:
         backends = [b.strip() for b in args.attention_backends.split(",") if b.strip()] or ["auto"]

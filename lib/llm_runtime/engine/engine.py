@@ -31,11 +31,12 @@ from ..attention.selector import select_backend
 from ..config import EngineConfig
 from ..errors import EngineDeadError, InvalidRequestError
 from ..model import CausalLM
-from ..model.pointwise import compiled_ops, pointwise_ops_of, set_pointwise_ops_
+from ..model.pointwise import EAGER_OPS, compiled_ops, pointwise_ops_of, set_pointwise_ops_
 from ..model.packed_linear import is_packed, pack_linears_, packing_unsupported_reason
 from ..model.tokenizer import Tokenizer
 from ..sampling import Sampler, SamplingParams
 from .block_manager import BlockManager
+from .cuda_graphs import DecodeGraphs, graphs_unavailable_reason
 from .host_memory import keep_freed_host_memory
 from .input_processor import EngineRequest, InputProcessor, Messages, Prompt
 from .kv_budget import CPU_DEVICE, kv_cache_memory
@@ -67,6 +68,8 @@ class EngineStats:
     attention_backend: str = ""  # the attention backend's name (lesson 11)
     prepacked_weights: bool = False  # the model's linear layers run on oneDNN-packed weights (prepack_weights)
     pointwise_ops: str = "eager"  # "compiled" when the layers' pointwise parts run through torch.compile
+    cuda_graph_sizes: tuple[int, ...] = ()  # the batch sizes captured as CUDA graphs (none: every step eager)
+    num_graph_replays: int = 0  # decode steps that ran from a CUDA graph
 
     @property
     def num_used_blocks(self) -> int:
@@ -126,6 +129,7 @@ class LLMEngine:
         logger.info("attention backend: %s", self.attention_backend.name)
         self.model_runner = ModelRunner(model, Sampler(seed=config.seed, device=model.device), self.kv_cache,
                                         self.profile, self.attention_backend)
+        self._capture_graphs()
         self.input_processor = InputProcessor(tokenizer, model.config, config, context_len=context_len,
                                               max_model_len=self.max_model_len, num_kv_blocks=num_blocks)
         self.output_processor = OutputProcessor(tokenizer)
@@ -156,9 +160,27 @@ class LLMEngine:
         wanted = self.config.compile_pointwise
         if wanted is None:
             wanted = owns_model and self.model.device.type == "cuda" and not self.config.enforce_eager
-        if wanted and pointwise_ops_of(self.model).name != "compiled":
+        compiled = pointwise_ops_of(self.model).name == "compiled"
+        if wanted and not compiled:
             count = set_pointwise_ops_(self.model, compiled_ops())
             logger.info("compiled the pointwise ops of %d modules", count)
+        elif compiled and (self.config.enforce_eager or self.config.compile_pointwise is False):
+            set_pointwise_ops_(self.model, EAGER_OPS)  # asked for eager: a model compiled by an earlier engine too
+
+    def _capture_graphs(self) -> None:
+        """Capture decode steps in CUDA graphs (cuda_graphs.py): when the config says True, or says None and
+        this device and attention backend allow it; never with enforce_eager."""
+        wanted = self.config.cuda_graphs
+        reason = graphs_unavailable_reason(self.model.device, self.attention_backend)
+        if wanted is None:
+            wanted = reason is None and not self.config.enforce_eager
+        if not wanted:
+            return
+        if reason is not None:
+            raise ValueError(f"cuda_graphs=True, but {reason}")
+        graphs = DecodeGraphs(self.model, self.kv_cache, self.attention_backend,
+                              max_num_seqs=self.config.max_num_seqs, max_model_len=self.max_model_len)
+        self.model_runner.capture_graphs(graphs)
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         """The pool size: num_kv_blocks, else kv_cache_memory, else what the device has left (kv_budget.py)."""
@@ -183,6 +205,7 @@ class LLMEngine:
         for request_id in list(self.requests):
             self.abort_request(request_id)
         self.is_shut_down = True
+        self.model_runner.graphs = None  # they point into the pool
         self.kv_cache.release()
         CPU_DEVICE.release(self)
         if self.model.device.type == "cuda":
@@ -226,7 +249,7 @@ class LLMEngine:
         self.output_processor.abort_request(request_id)
 
     def stats(self) -> EngineStats:
-        blocks, scheduler = self.block_manager, self.scheduler
+        blocks, scheduler, graphs = self.block_manager, self.scheduler, self.model_runner.graphs
         return EngineStats(
             num_total_blocks=blocks.num_total_blocks,
             num_free_blocks=blocks.num_free_blocks,
@@ -241,6 +264,8 @@ class LLMEngine:
             attention_backend=self.attention_backend.name,
             prepacked_weights=is_packed(self.model),
             pointwise_ops=pointwise_ops_of(self.model).name,
+            cuda_graph_sizes=graphs.sizes if graphs is not None else (),
+            num_graph_replays=graphs.num_replays if graphs is not None else 0,
         )
 
     def has_unfinished_requests(self) -> bool:

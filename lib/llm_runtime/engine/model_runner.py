@@ -8,6 +8,9 @@ shared pool through each sequence's block table (lessons 07 and 11). The step's 
 `AttentionMetadata` (offsets, lengths, block tables, slot mapping) that every layer reads, are built
 once into persistent buffers (`input_batch.py`, lesson 12).
 
+A decode-only step runs from a CUDA graph when the engine captured them (`cuda_graphs.py`, lesson 12);
+prefill and mixed steps always run eagerly.
+
 The runner reads and writes the engine's pool; `kv_budget.py` decides how big it is.
 """
 
@@ -23,6 +26,7 @@ from ..attention.kv_cache import PagedKVCache
 from ..attention.torch_gather import TorchGatherBackend
 from ..model import CausalLM
 from ..sampling import Sampler
+from .cuda_graphs import DecodeGraphs
 from .input_batch import InputBuffers
 from .outputs import Logprobs
 from .scheduler import ScheduledBatch, ScheduledSequence
@@ -76,6 +80,13 @@ class ModelRunner:
         self.attention_backend = attention_backend if attention_backend is not None else TorchGatherBackend()
         self.profile = profile if profile is not None else StepProfile()
         self.inputs = InputBuffers(model.device, kv_cache.block_size)
+        self.graphs: DecodeGraphs | None = None  # set by the engine when it captures decode steps
+
+    @torch.inference_mode()
+    def capture_graphs(self, graphs: DecodeGraphs) -> None:
+        """Capture decode steps (after the pool exists: the graphs read and write it) and replay them from now on."""
+        graphs.capture()
+        self.graphs = graphs
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> ModelRunnerOutput:
@@ -83,6 +94,12 @@ class ModelRunner:
         started = time.perf_counter()
         self.kv_cache.copy_blocks(batch.block_copies)  # copy-on-write, before anyone writes this step
         model_input = self.inputs.prepare(batch)  # persistent buffers, one copy to the device (input_batch.py)
+        if self.graphs is not None and self.graphs.can_run(model_input):
+            prepared = time.perf_counter()
+            self.profile.prepare += prepared - started
+            logits = self.graphs.run(model_input)  # (R, vocab): the whole forward pass in one replay
+            self.profile.forward += time.perf_counter() - prepared
+            return self._sample(batch, model_input.sampling_items, logits, ModelRunnerOutput())
         kv = PagedAttentionStep(self.kv_cache, self.attention_backend, model_input.metadata, self.profile)
         prepared = time.perf_counter()
         self.profile.prepare += prepared - started
@@ -99,8 +116,13 @@ class ModelRunner:
             self.profile.forward += time.perf_counter() - prepared
             return output
         logits = self.model.compute_logits(hidden[0, model_input.logits_indices])  # (R, vocab)
+        self.profile.forward += time.perf_counter() - prepared
+        return self._sample(batch, sampling, logits, output)
+
+    def _sample(self, batch: ScheduledBatch, sampling: tuple[int, ...], logits: torch.Tensor,
+                output: ModelRunnerOutput) -> ModelRunnerOutput:
+        """Sample one token for each of the items `sampling` names, from their logits rows (R, vocab)."""
         computed = time.perf_counter()
-        self.profile.forward += computed - prepared
         seqs = [batch.items[i].seq for i in sampling]
         out = sample_sequences(self.sampler, logits, seqs)
         sampled = out.token_ids.tolist()  # one host-device sync per step

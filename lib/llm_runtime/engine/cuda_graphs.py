@@ -1,0 +1,167 @@
+"""CUDA graphs for decode steps, one per batch-size bucket: a whole forward pass in one launch.
+
+A decode step of a small model on a GPU is a few hundred small kernels (per layer: norms, four or
+five matrix multiplies, rotary, the KV store, attention, the MLP's pointwise parts). Each launch costs
+the CPU a few microseconds of Python and driver work, and at batch 1 most kernels take less than
+that on the GPU, so the GPU waits on the CPU. A CUDA graph records the kernels of one forward pass
+once (`torch.cuda.graph`) and replays them all with one call: the CPU's cost per step becomes one
+launch, whatever the number of kernels.
+
+What capture forbids follows from "the kernels and their arguments are recorded, not the Python":
+- fixed shapes: a graph replays the shapes it saw, so one graph is captured per batch size, for
+  the buckets 1, 2, 4, 8, then every 16 up to `max_num_seqs`. A step of n decodes replays the
+  smallest bucket b >= n; its rows n..b-1 are padding (slot -1: they write no key or value; one key:
+  they read one valid slot), and their logits are ignored.
+- fixed addresses: kernels read their inputs from the tensors they saw at capture. Each step copies
+  its ids, positions, slots, lengths and block tables into static buffers that live as long as the
+  graphs; the graphs write logits into static outputs.
+- no host decisions: Python branches on data ran once, at capture. The attention backend's plan is
+  made for the longest sequence the engine allows (`max_model_len`) and kept; its kernels read the
+  real lengths on the device (`AttentionBackend.supports_cuda_graphs`).
+- no host synchronization (`.item()`, `.tolist()`, a CPU tensor made from device data) inside.
+Prefill and mixed steps change shape every step: they run eagerly, as in vLLM's default.
+
+The buckets are captured largest first into one memory pool, so the smaller graphs reuse the
+largest one's intermediate memory. `replay="eager"` runs the same captured function (static buffers,
+padding, the kept plan) without a graph: on the CPU, with the Triton backend under its interpreter,
+it tests everything but the graph itself.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import Callable, Literal
+
+import torch
+
+from ..attention.backend import AttentionBackend, PagedAttentionStep
+from ..attention.kv_cache import PagedKVCache
+from ..attention.metadata import AttentionMetadata
+from ..model import CausalLM
+from .input_batch import ModelInput
+
+logger = logging.getLogger(__name__)
+
+Replay = Literal["graph", "eager"]
+
+
+def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """The buckets: 1, 2, 4, 8, then every 16 up to `max_num_seqs` (which is always one)."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    sizes = [size for size in (1, 2, 4, 8) if size < max_num_seqs]
+    sizes += range(16, max_num_seqs, 16)
+    return (*sizes, max_num_seqs)
+
+
+def graphs_unavailable_reason(device: torch.device, backend: AttentionBackend) -> str | None:
+    """None when decode steps can be captured here; otherwise why not."""
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device, not {device.type}"
+    if not backend.supports_cuda_graphs:
+        return f"the {backend.name} attention backend cannot be captured in a CUDA graph"
+    return None
+
+
+class DecodeGraphs:
+    """A captured decode step per bucket, with the static buffers every bucket reads and writes."""
+
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, backend: AttentionBackend, *,
+                 max_num_seqs: int, max_model_len: int, replay: Replay = "graph") -> None:
+        if replay == "graph":
+            reason = graphs_unavailable_reason(model.device, backend)
+            if reason is not None:
+                raise ValueError(reason)
+        elif replay != "eager":
+            raise ValueError(f"replay must be 'graph' or 'eager', got {replay!r}")
+        self.model, self.kv_cache, self.backend = model, kv_cache, backend
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.max_model_len = max_model_len
+        self.replay_mode = replay
+        self.num_replays = 0  # decode steps that ran from a graph
+        device, size = model.device, self.sizes[-1]
+        self.block_size = kv_cache.block_size
+        self.max_blocks = -(-max_model_len // self.block_size)  # a block table's widest row
+        # The static inputs, as the largest bucket needs them; bucket b reads the first b rows.
+        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)  # one token per row, always
+        self.block_tables = torch.zeros(size, self.max_blocks, dtype=torch.int32, device=device)
+        self.logits: dict[int, torch.Tensor] = {}  # bucket -> static output (bucket, vocab)
+        self._runs: dict[int, Callable[[], None]] = {}  # bucket -> replays the step
+
+    def capture(self) -> None:
+        """Capture (or, with replay="eager", prepare) every bucket, largest first, in one memory pool."""
+        pool = torch.cuda.graph_pool_handle() if self.replay_mode == "graph" else None
+        for size in reversed(self.sizes):
+            step = self._step_function(size)
+            if self.replay_mode == "eager":
+                self._runs[size] = step
+                continue
+            step()  # warm-up outside the graph: compiles kernels, runs lazy initialization
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                step()
+            self._runs[size] = graph.replay
+        logger.info("captured decode steps for batch sizes %s", ", ".join(map(str, self.sizes)))
+
+    def _step_function(self, size: int) -> Callable[[], None]:
+        """The forward pass of a `size`-row decode step over the static buffers, its plan made once here."""
+        metadata = AttentionMetadata(
+            block_size=self.block_size,
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            slot_mapping=self.slot_mapping[:size],
+            query_lens_host=(1,) * size,
+            # The plan is made for the longest sequence the engine allows; the kernels read the real lengths.
+            seq_lens_host=(self.max_model_len,) * size,
+            block_tables_host=((0,) * self.max_blocks,) * size,
+        )
+        kv = PagedAttentionStep(self.kv_cache, self.backend, metadata)  # plan() runs now, once
+        input_ids, positions = self.input_ids[None, :size], self.positions[None, :size]  # (1, size)
+
+        def step() -> None:
+            hidden = self.model(input_ids, kv, positions)  # (1, size, hidden)
+            self.logits[size] = self.model.compute_logits(hidden[0])  # (size, vocab), kept by the graph
+
+        return step
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        """The smallest bucket that holds `num_seqs` rows; None when there is none."""
+        index = bisect.bisect_left(self.sizes, num_seqs)
+        return self.sizes[index] if index < len(self.sizes) else None
+
+    def can_run(self, model_input: ModelInput) -> bool:
+        """Whether this step is a decode-only step that a captured bucket holds."""
+        metadata = model_input.metadata
+        num_seqs = metadata.num_seqs
+        return (0 < num_seqs <= self.sizes[-1]
+                and model_input.num_tokens == num_seqs  # one new token per sequence: decodes only
+                and len(model_input.sampling_items) == num_seqs
+                and metadata.block_tables.shape[1] <= self.max_blocks
+                and metadata.max_seq_len <= self.max_model_len)
+
+    def run(self, model_input: ModelInput) -> torch.Tensor:
+        """Copy the step into the static buffers, replay its bucket, return logits (num_seqs, vocab)."""
+        if not self._runs:
+            raise RuntimeError("capture() first")
+        metadata = model_input.metadata
+        num_seqs = metadata.num_seqs
+        size = self.bucket_for(num_seqs)
+        assert size is not None and self.can_run(model_input)
+        self.input_ids[:num_seqs].copy_(model_input.input_ids[0])
+        self.positions[:num_seqs].copy_(model_input.positions[0])
+        self.slot_mapping[:num_seqs].copy_(metadata.slot_mapping)
+        self.slot_mapping[num_seqs:size].fill_(-1)  # padding rows write nowhere ...
+        self.seq_lens[:num_seqs].copy_(metadata.seq_lens)
+        self.seq_lens[num_seqs:size].fill_(1)  # ... and read one key of whatever block their table row names
+        width = metadata.block_tables.shape[1]
+        self.block_tables[:num_seqs, :width].copy_(metadata.block_tables)  # columns past width: never read
+        self._runs[size]()
+        self.num_replays += 1
+        return self.logits[size][:num_seqs]

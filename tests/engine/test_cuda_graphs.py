@@ -1,0 +1,134 @@
+"""Decode steps from CUDA graphs: the buckets, when graphs are used or refused, and the same tokens.
+
+On the CPU, `DecodeGraphs(replay="eager")` runs the captured step function itself (static buffers,
+padded rows, the plan made once for `max_model_len`) with the Triton kernels under Triton's
+interpreter: everything a graph replays but the graph. The GPU-marked tests capture real graphs.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from llm_runtime import EngineConfig, LLMEngine, SamplingParams
+from llm_runtime.attention import available_backends
+from llm_runtime.attention.blockwise import BlockwiseBackend
+from llm_runtime.attention.triton_backend import TritonBackend
+from llm_runtime.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, graphs_unavailable_reason
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(available_backends(DEVICE, torch.float32)["triton"] is not None,
+                                  reason="the triton backend cannot run here")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_buckets() -> None:
+    assert graph_batch_sizes(1) == (1,)
+    assert graph_batch_sizes(3) == (1, 2, 3)
+    assert graph_batch_sizes(16) == (1, 2, 4, 8, 16)
+    assert graph_batch_sizes(20) == (1, 2, 4, 8, 16, 20)
+    assert graph_batch_sizes(256) == (1, 2, 4, 8, *range(16, 257, 16))
+    with pytest.raises(ValueError):
+        graph_batch_sizes(0)
+
+
+def test_graphs_are_refused_where_they_cannot_run(tiny_pairs) -> None:
+    model, _ = tiny_pairs["llama3"]
+    assert "CUDA device" in graphs_unavailable_reason(torch.device("cpu"), TritonBackend())
+    assert "cannot be captured" in graphs_unavailable_reason(torch.device("cuda"), BlockwiseBackend())
+    with pytest.raises(ValueError, match="cuda_graphs=True, but CUDA graphs need a CUDA device"):
+        LLMEngine(model, None, EngineConfig(cuda_graphs=True))
+    with pytest.raises(ValueError, match="enforce_eager"):
+        EngineConfig(cuda_graphs=True, enforce_eager=True)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        EngineConfig(cuda_graphs="yes")
+    # The CPU's default: no graphs.
+    stats = LLMEngine(model, None, EngineConfig()).stats()
+    assert stats.cuda_graph_sizes == () and stats.num_graph_replays == 0
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, arrive_every: int = 2) -> dict:
+    """Add a request every `arrive_every` steps, so decode batches take every size on the way."""
+    pending, finished, step = list(enumerate(prompts)), {}, 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % arrive_every == 0:
+            i, prompt = pending.pop(0)
+            engine.add_request(str(i), prompt, params)
+        finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        step += 1
+    return finished
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    lengths = [5, 17, 3, 30, 9, 21, 2]
+    return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+@needs_triton
+@pytest.mark.parametrize("split_kv", ["never", "always"])
+def test_replayed_decode_steps_give_the_eager_tokens(tiny_pairs, split_kv: str) -> None:
+    """Decodes replayed through the bucketed step function (n of 7 sequences padded to buckets 1, 2, 4, 8)
+    give the eager engine's greedy tokens, with the unified kernel and with split-KV (whose number of
+    partitions the kept plan fixes from max_model_len, most of them empty)."""
+    model = copy.deepcopy(tiny_pairs["qwen3"][0]).float()
+    prompts = _prompts(model.config.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=64, block_size=4,
+                          max_model_len=80, attention_backend="triton")
+    expected = _run(LLMEngine(model, None, config), prompts, params)
+
+    engine = LLMEngine(model, None, config)
+    backend = TritonBackend(split_kv=split_kv, partition_size=32)
+    engine.model_runner.attention_backend = backend
+    graphs = DecodeGraphs(model, engine.kv_cache, backend, max_num_seqs=8, max_model_len=engine.max_model_len,
+                          replay="eager")
+    engine.model_runner.capture_graphs(graphs)
+    assert graphs.sizes == (1, 2, 4, 8)
+    assert _run(engine, prompts, params) == expected
+    assert engine.stats().num_graph_replays > 10
+
+
+@needs_triton
+def test_padded_rows_write_nowhere(tiny_pairs) -> None:
+    """A step of 3 decodes replayed in the bucket of 4 writes exactly its 3 new slots of the pool."""
+    model = copy.deepcopy(tiny_pairs["qwen3"][0]).float()
+    engine = LLMEngine(model, None, EngineConfig(max_num_seqs=4, num_kv_blocks=32, block_size=4, max_model_len=64,
+                                                 attention_backend="triton"))
+    graphs = DecodeGraphs(model, engine.kv_cache, engine.attention_backend, max_num_seqs=4,
+                          max_model_len=engine.max_model_len, replay="eager")
+    engine.model_runner.capture_graphs(graphs)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i, prompt in enumerate(_prompts(model.config.vocab_size)[:3]):
+        engine.add_request(str(i), prompt, params)
+    engine.step()  # the three prefills, eagerly
+    assert engine.stats().num_graph_replays == 0
+    graphs.slot_mapping.fill_(0)  # what an earlier, larger step could have left in the padded rows
+    before = [pool.clone() for pool in engine.kv_cache.keys]
+    lengths = {seq: seq.num_tokens for seq in engine.scheduler.running}  # the decode writes position n - 1
+    engine.step()  # three decodes, in the bucket of 4
+    assert engine.stats().num_graph_replays == 1
+    block_size, tables = engine.kv_cache.block_size, engine.block_manager.block_tables
+    expected = {tables[seq][(n - 1) // block_size] * block_size + (n - 1) % block_size for seq, n in lengths.items()}
+    for old, new in zip(before, engine.kv_cache.keys):
+        changed = (old != new).flatten(2).any(-1).flatten().nonzero()[:, 0].tolist()  # flat slots written
+        assert set(changed) == expected
+
+
+@needs_cuda
+@pytest.mark.parametrize("compile_pointwise", [False, True])
+def test_cuda_graphs_give_the_eager_tokens_on_the_gpu(tiny_pairs, compile_pointwise: bool) -> None:
+    """On CUDA, graphs are captured by default (Triton backend), and give enforce_eager's greedy tokens."""
+    model = copy.deepcopy(tiny_pairs["qwen3"][0]).to("cuda", torch.bfloat16)
+    prompts = _prompts(model.config.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    base = dict(max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=256, attention_backend="triton")
+    expected = _run(LLMEngine(model, None, EngineConfig(**base, enforce_eager=True)), prompts, params)
+    engine = LLMEngine(model, None, EngineConfig(**base, compile_pointwise=compile_pointwise))
+    assert engine.stats().cuda_graph_sizes == (1, 2, 4, 8)
+    assert _run(engine, prompts, params) == expected
+    assert engine.stats().num_graph_replays > 10
+    engine.shutdown()
+    assert engine.model_runner.graphs is None
