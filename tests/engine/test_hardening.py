@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from llm_runtime import EngineConfig, LLMEngine, SamplingParams, generate
+from llm_runtime import EngineConfig, LLMEngine, Sampler, SamplingParams, generate
 from llm_runtime.engine import block_manager as block_manager_module
 from llm_runtime.engine import prefix_cache as prefix_cache_module
 
@@ -150,6 +150,35 @@ def test_a_failing_request_that_joins_running_decodes_fails_alone(tiny_pairs, mo
     finals = drain(engine)
     assert finals["late-poison"].outputs[0].finish_reason == "error"
     assert [finals[str(i)].outputs[0].token_ids for i in range(len(batch))] == expected
+
+
+def test_a_retried_step_draws_the_same_seeded_noise(tiny_pairs, monkeypatch) -> None:
+    """A step that fails after sampling is retried request by request; seeded requests (noise by seed and output
+    length) still get exactly the tokens of a run without the failure."""
+    model, _ = tiny_pairs["llama2"]
+    batch = prompts(model.config.vocab_size, 4, seed=4)
+
+    def run() -> list[list[int]]:
+        engine = LLMEngine(model, None, EngineConfig(max_num_seqs=8))
+        for i, prompt in enumerate(batch):
+            engine.add_request(str(i), prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=8, ignore_eos=True))
+        finals = drain(engine)
+        assert engine.num_failed_requests == 0
+        return [finals[str(i)].outputs[0].token_ids for i in range(len(batch))]
+
+    expected = run()
+    original, calls = Sampler.__call__, []
+
+    def fails_once_after_drawing(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:  # the third step: the generators have drawn, then the step fails
+            raise RuntimeError("a fault after sampling")
+        return out
+
+    monkeypatch.setattr(Sampler, "__call__", fails_once_after_drawing)
+    assert run() == expected
+    assert len(calls) > 3
 
 
 # ------------------------------------------------------------------------------------------ prefix cache

@@ -67,8 +67,9 @@ def decode_step_seconds(model: CausalLM, engine_options: dict[str, object], *, p
 
 
 def measure(model: CausalLM, modes: list[str], *, prompt_len: int = 32, num_steps: int = 64,
-            prepack_weights: bool | None = None) -> list[DecodeMeasurement]:
-    """Each mode's batch-1 step against the roofline of this model on its device, in one process."""
+            prepack_weights: bool | None = None, bandwidth: float | None = None) -> list[DecodeMeasurement]:
+    """Each mode's batch-1 step against the roofline of this model on its device, in one process.
+    `bandwidth` (bytes/s): the device's, if already measured; else measured here (`roofline.measure_peaks`)."""
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
@@ -76,7 +77,8 @@ def measure(model: CausalLM, modes: list[str], *, prompt_len: int = 32, num_step
         raise ValueError("the graphs mode needs a CUDA device")
     dtype_size = model.dtype.itemsize
     nbytes = weight_bytes(model.config, dtype_size)
-    bandwidth = measure_peaks(model.device, model.dtype).memory_bandwidth
+    if bandwidth is None:
+        bandwidth = measure_peaks(model.device, model.dtype).memory_bandwidth
     if prepack_weights is None:
         prepack_weights = packing_unsupported_reason(model) is None
     results = []

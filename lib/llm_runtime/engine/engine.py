@@ -237,7 +237,7 @@ class LLMEngine:
             sequences.append(Sequence(
                 request.request_id, request.prompt_token_ids, seq_params, max_new_tokens=request.max_new_tokens,
                 eos_token_ids=self.model.config.eos_token_ids, index=index, arrival_time=request.arrival_time,
-                generator=seq_params.make_generator(self.model.device)))
+                generator=seq_params.make_generator()))
         self.output_processor.add_request(request, sequences)
         self.scheduler.add(sequences[0], sequences[1:])
 
@@ -305,8 +305,8 @@ class LLMEngine:
     def _run(self, batch: ScheduledBatch) -> ModelRunnerOutput:
         """Run the step; if it fails, run it again one request at a time and fail only the requests
         whose part fails again. Rerunning is safe: nothing was recorded for the failed step, its KV
-        writes go to the same slots again, and copy-on-write copies are idempotent. (A seeded
-        request's generator may have drawn in the failed attempt: its draws after a failure differ.)"""
+        writes go to the same slots again, copy-on-write copies are idempotent, and a seeded request's
+        noise is a function of its seed and output length, so its retry draws the same noise."""
         try:
             return self.model_runner.run(batch)
         except Exception:

@@ -33,7 +33,7 @@ def generate(
     validate_stop_token_ids(params, config.vocab_size)
     sampler = sampler or Sampler(device=model.device)
     seq = Sequence("generate", prompt, params, max_new_tokens=budget, eos_token_ids=config.eos_token_ids,
-                   generator=params.make_generator(model.device))
+                   generator=params.make_generator())
 
     kv_cache = model.new_kv_cache(batch_size=1, max_seq_len=len(prompt) + budget)
     input_ids = torch.tensor([prompt], device=model.device)  # (1, prompt_len): prefill

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..sampling import Sampler, SamplerOutput, SamplingParams
+from ..sampling.seeded import SeededGenerator
 from ..sampling.token_counts import TokenCounts
 
 
@@ -76,7 +77,7 @@ class Sequence:
         eos_token_ids: tuple[int, ...] = (),
         index: int = 0,
         arrival_time: float | None = None,
-        generator: torch.Generator | None = None,
+        generator: SeededGenerator | None = None,
     ) -> None:
         self.request_id = request_id
         self.index = index  # which of the request's n completions this is
@@ -174,6 +175,9 @@ class Sequence:
 
 def sample_sequences(sampler: Sampler, logits: torch.Tensor, sequences: list[Sequence]) -> SamplerOutput:
     """Sample one token per row of logits (R, vocab), row i for sequences[i], with its own state."""
+    for seq in sequences:
+        if seq.generator is not None:  # draw k is output token k: a retried or recomputed step draws the same
+            seq.generator.draws = seq.num_output_tokens
     return sampler(
         logits,
         [seq.params for seq in sequences],

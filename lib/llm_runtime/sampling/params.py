@@ -11,13 +11,12 @@ import enum
 import math
 from dataclasses import dataclass
 
-import torch
-
 from ..errors import InvalidRequestError
+from .seeded import SeededGenerator
 
 # Temperatures below this are greedy (dividing by ~0 would overflow).
 GREEDY_TEMPERATURE = 1e-5
-# Seeds are 64-bit signed integers, as in vLLM's API (torch generators take any of them).
+# Seeds are 64-bit signed integers, as in vLLM's API (the seeded generator hashes all 64 bits).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
@@ -139,8 +138,9 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
-    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
-        """A fresh generator seeded with `seed`, or None when the request is unseeded."""
+    def make_generator(self) -> SeededGenerator | None:
+        """A fresh generator seeded with `seed` (its noise is made on the logits' device), or None when the
+        request is unseeded."""
         if self.seed is None:
             return None
-        return torch.Generator(device=device).manual_seed(self.seed)
+        return SeededGenerator(self.seed)

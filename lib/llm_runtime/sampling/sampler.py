@@ -1,8 +1,9 @@
 """The batched `Sampler`: a batch of logits in, one token per row out.
 
 The sampler turns a batch of logits into one token per row. Each row has its own parameters and,
-when seeded, its own random generator, so a seeded request draws the same tokens whatever else is
-in the batch. Order of operations, as in vLLM: penalties, then greedy rows take the argmax; the
+when seeded, its own random generator (`seeded.py`: noise that is a function of the seed, the draw and
+the token, made for all seeded rows at once), so a seeded request draws the same tokens whatever else
+is in the batch. Order of operations, as in vLLM: penalties, then greedy rows take the argmax; the
 others are divided by temperature, filtered by min-p, top-k and top-p, and sampled.
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .params import SamplingParams
+from .seeded import SeededGenerator, seeded_noise
 from .token_counts import TokenCounts
 
 
@@ -129,8 +131,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 class Sampler:
     """Picks one token per row of a (B, vocab) logits batch, each row with its own SamplingParams.
 
-    Invariant: a row whose request is seeded draws its randomness only from its own generator,
-    so its tokens do not depend on the other rows. Unseeded rows share this sampler's generator.
+    Invariant: a row whose request is seeded draws its randomness only from its own generator
+    (`SeededGenerator`), so its tokens do not depend on the other rows. Unseeded rows share this
+    sampler's `torch.Generator`.
     """
 
     def __init__(self, seed: int | None = None, device: torch.device | str = "cpu") -> None:
@@ -144,7 +147,7 @@ class Sampler:
         self,
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None] | None = None,
+        generators: Sequence[SeededGenerator | None] | None = None,
         output_token_ids: Sequence[Sequence[int]] | None = None,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         blocked_token_ids: Sequence[Sequence[int]] | None = None,
@@ -199,7 +202,7 @@ class Sampler:
         self,
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
+        generators: Sequence[SeededGenerator | None],
         rows: list[int],
         token_ids: torch.Tensor,
     ) -> torch.Tensor:
@@ -222,16 +225,18 @@ class Sampler:
         # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) draws token i with probability p_i,
         # and each row's noise can come from that row's own generator.
         noise = torch.empty_like(probs)
-        unseeded = [j for j, i in enumerate(rows) if generators[i] is None]
-        if len(unseeded) == len(rows):
+        seeded = [j for j, i in enumerate(rows) if generators[i] is not None]
+        if not seeded:
             noise.exponential_(generator=self.generator)
-        elif unseeded:
-            shared = torch.empty(len(unseeded), vocab, device=device).exponential_(generator=self.generator)
-            noise[torch.tensor(unseeded, device=device)] = shared
-        for j, i in enumerate(rows):
-            generator = generators[i]
-            if generator is not None:
-                noise[j].exponential_(generator=generator)
+        else:
+            own = [generators[rows[j]] for j in seeded]
+            if not all(isinstance(g, SeededGenerator) for g in own):
+                raise TypeError("a seeded row's generator must be a SeededGenerator (SamplingParams.make_generator)")
+            noise[torch.tensor(seeded, device=device)] = seeded_noise(own, vocab, device)  # every seeded row at once
+            unseeded = [j for j in range(len(rows)) if generators[rows[j]] is None]
+            if unseeded:
+                shared = torch.empty(len(unseeded), vocab, device=device).exponential_(generator=self.generator)
+                noise[torch.tensor(unseeded, device=device)] = shared
         # A zero draw would turn a filtered-out token's 0 / 0 into NaN, which argmax would pick.
         sampled = (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
         return token_ids.index_copy(0, row_index, sampled)
