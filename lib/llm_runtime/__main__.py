@@ -13,6 +13,8 @@ import argparse
 import sys
 import time
 
+from .model.quantized_linear import QUANTIZATIONS
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llm_runtime", description=__doc__,
@@ -25,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--model", default=None, help="local folder or hub id (default: bundled SmolLM2)")
     gen.add_argument("--device", default="auto")
     gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                     help="int8 / int4 linear layers, or the bundled GGUF's own 4-bit blocks (gguf)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
@@ -42,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--device", default="auto")
     srv.add_argument("--dtype", default="auto")
+    srv.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                     help="int8 / int4 linear layers, or the bundled GGUF's own 4-bit blocks (gguf)")
     srv.add_argument("--max-num-seqs", type=int, default=32)
     srv.add_argument("--max-model-len", type=int, default=None, help="context offered (default: the model's)")
     srv.add_argument("--max-waiting-requests", type=int, default=256, help="more get 503 (busy)")
@@ -75,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         from .serving.server import serve
 
         def build() -> LLMEngine:
-            model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+            model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype,
+                                          quantization=args.quantization)
             return LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=args.max_num_seqs,
                                                             max_model_len=args.max_model_len,
                                                             gpu_memory_utilization=args.gpu_memory_utilization,
@@ -101,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype,
+                                          quantization=args.quantization)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

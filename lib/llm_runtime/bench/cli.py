@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..model.quantized_linear import QUANTIZATIONS
+
 if TYPE_CHECKING:
     from ..model import CausalLM
 
@@ -49,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="engine: every step eagerly, but torch.compile where it applies (by default decode "
                              "steps replay CUDA graphs on CUDA)")
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                        help="the bench's model with int8 / int4 linears, or the bundled GGUF's 4-bit blocks (gguf)")
     parser.add_argument("--no-prepack-weights", action="store_true",
                         help="engine: keep nn.Linear's plain weights (by default the bench's model is repacked "
                              "for oneDNN in place where that applies: the CPU in float32)")
@@ -108,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
         rates = [float(r) for r in args.rates.split(",")] if args.rates else [None]
-        model, _ = load_model(args.model, device=args.device, dtype=args.dtype)
+        model, _ = load_model(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

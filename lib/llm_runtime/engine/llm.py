@@ -33,10 +33,12 @@ class LLM:
         *,
         dtype: str | torch.dtype = "auto",
         device: str | torch.device = "auto",
+        quantization: str | None = None,
         **engine_options: object,
     ) -> None:
-        """`model`: None (bundled), a folder or a hub id; `engine_options`: EngineConfig fields."""
-        loaded, tokenizer = load_model(model, device=device, dtype=dtype)
+        """`model`: None (bundled), a folder or a hub id; `quantization`: None, "int8", "int4" or "gguf"
+        (`load_model`, lesson 13); `engine_options`: EngineConfig fields."""
+        loaded, tokenizer = load_model(model, device=device, dtype=dtype, quantization=quantization)
         self._init(loaded, tokenizer, EngineConfig(**engine_options), owns_model=True)  # type: ignore[arg-type]
 
     @classmethod

@@ -17,8 +17,10 @@ from safetensors import safe_open
 from ..config import ModelConfig
 from ..device import resolve_device, resolve_dtype
 from .tokenizer import Tokenizer, load_tokenizer
-from .bundled import prepare_bundled_model
+from .bundled import find_bundled_gguf, prepare_bundled_model
 from .causal_lm import CausalLM
+from .gguf import load_gguf_linears_
+from .quantized_linear import QUANTIZATIONS, quantize_linears_
 from .rope import inverse_frequencies
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -35,13 +37,43 @@ def load_model(
     device: str | torch.device = "auto",
     dtype: str | torch.dtype = "auto",
     cache_dir: str | Path | None = None,
+    quantization: str | None = None,
+    group_size: int = 32,
 ) -> tuple[CausalLM, Tokenizer]:
-    """Load (model, tokenizer): None = bundled SmolLM2-135M-Instruct, else a local folder or a hub id."""
+    """Load (model, tokenizer): None = bundled SmolLM2-135M-Instruct, else a local folder or a hub id.
+
+    `quantization` (lesson 13): "int8" (per output channel) or "int4" (groups of `group_size` input
+    columns) quantizes the linear layers at load time; "gguf" runs the bundled model's own Q4_1 blocks as
+    int4. A quantized model computes in bfloat16 unless `dtype` says float32 (the kernels' fast path)."""
     resolved_device = resolve_device(device)
-    resolved_dtype = resolve_dtype(dtype, resolved_device)
+    if quantization is not None:
+        resolved_dtype = _quantized_dtype(quantization, dtype, resolved_device, name_or_path)
+    else:
+        resolved_dtype = resolve_dtype(dtype, resolved_device)
     folder = resolve_model_folder(name_or_path, cache_dir)
     model = load_checkpoint(folder, device=resolved_device, dtype=resolved_dtype)
+    if quantization == "gguf":
+        load_gguf_linears_(model, find_bundled_gguf(), dtype=resolved_dtype)
+    elif quantization is not None:
+        quantize_linears_(model, quantization, group_size=group_size, dtype=resolved_dtype)
     return model, load_tokenizer(folder)
+
+
+def _quantized_dtype(quantization: str, dtype: str | torch.dtype, device: torch.device,
+                     name_or_path: str | Path | None) -> torch.dtype:
+    """The compute dtype of a quantized model, after checking the request can be met here."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or None, got {quantization!r}")
+    if quantization == "gguf" and name_or_path is not None:
+        raise ValueError("quantization='gguf' loads the bundled model's own GGUF blocks; pass no model name")
+    resolved = torch.bfloat16 if dtype == "auto" else resolve_dtype(dtype, device)
+    allowed = (torch.bfloat16,) if device.type == "cuda" else (torch.bfloat16, torch.float32)
+    if resolved not in allowed:
+        raise ValueError(f"quantized layers compute in {' or '.join(str(d) for d in allowed)} on {device.type}, "
+                         f"not {resolved}")
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        raise ValueError("the int4 and int8 CUDA kernels need compute capability 8.0 or newer (bfloat16)")
+    return resolved
 
 
 def resolve_model_folder(name_or_path: str | Path | None, cache_dir: str | Path | None = None) -> Path:

@@ -1,0 +1,122 @@
+"""The bundled GGUF's own 4-bit blocks, read byte by byte and run as 4-bit (`quantization="gguf"`).
+
+The bundled SmolLM2 ships as llama.cpp's GGUF: every linear weight of the decoder in Q4_1, the embedding
+(tied to the LM head) in Q8_0, the norms in float32. A row of a Q4_1 tensor is a run of 20-byte blocks,
+one per 32 weights:
+
+    bytes 0-1   d, float16      the scale
+    bytes 2-3   m, float16      the minimum
+    bytes 4-19  16 bytes        32 four-bit values q: byte j holds weight j (low nibble) and j + 16 (high)
+
+and weight = d * q + m. That is an int4 group of 32 with scale d and zero m + 8 d in the form the int4
+kernels read (`(q - 8) * scale + zero`, `quantized_linear.py`), so `Int4Linear` runs the file's own
+values: nothing is rounded again when the scales are kept in float32 (in bfloat16 the scales round).
+A Q8_0 block is 34 bytes: d (float16), then 32 int8 values, weight = d * q.
+
+llama.cpp stores q and k with the rows of each head reordered for its rotary layout (pairs (i, i + d/2)
+interleaved); transformers undoes that when it reads the file, and so does `hf_row_order` here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .quantized_linear import Int4Linear
+
+BLOCK = 32  # weights per Q4_1 / Q8_0 block
+Q4_1_BLOCK_BYTES = 20
+Q8_0_BLOCK_BYTES = 34
+
+# GGUF tensor name (in block i) -> the module path in our model, under model.layers.{i}
+_LINEAR_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def q4_1_blocks(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of Q4_1 blocks (rows, num_blocks * 20) uint8 -> q (rows, num_blocks * 32) int32 in [0, 15],
+    d and m (rows, num_blocks) float32: weight = d * q + m per block."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, Q4_1_BLOCK_BYTES)  # (rows, B, 20)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (rows, B)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    packed = blocks[..., 4:]  # (rows, B, 16)
+    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)  # (rows, B, 32): low nibbles first
+    return (torch.from_numpy(q.reshape(rows, -1).astype(np.int32)), torch.from_numpy(d), torch.from_numpy(m))
+
+
+def q8_0_blocks(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of Q8_0 blocks (rows, num_blocks * 34) uint8 -> q (rows, num_blocks * 32) int8, d (rows, num_blocks)
+    float32: weight = d * q per block."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, Q8_0_BLOCK_BYTES)  # (rows, B, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8)  # (rows, B, 32)
+    return torch.from_numpy(q.reshape(rows, -1)), torch.from_numpy(d)
+
+
+def dequantize_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    rows = q.shape[0]
+    return (q.reshape(rows, -1, BLOCK).float() * d[..., None] + m[..., None]).reshape(rows, -1)
+
+
+def hf_row_order(num_rows: int, num_heads: int) -> torch.Tensor:
+    """Row i of the Hugging Face q (or k) weight is row order[i] of llama.cpp's (undoing its rotary permute)."""
+    head_dim = num_rows // num_heads
+    rows = torch.arange(num_rows).reshape(num_heads, head_dim // 2, 2)  # llama.cpp's (head, pair, half) order
+    return rows.transpose(1, 2).reshape(num_rows)
+
+
+def gguf_linear_blocks(path: str | Path, config: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Every Q4_1 linear weight of the file, by our module path: (q, d, m) with rows in Hugging Face order."""
+    from gguf import GGUFReader  # installed with the package (transformers reads GGUF files with it)
+
+    blocks = {}
+    for tensor in GGUFReader(str(path)).tensors:
+        parts = tensor.name.split(".")  # blk.{i}.{name}.weight
+        if parts[0] != "blk" or parts[2] not in _LINEAR_NAMES:
+            continue
+        if tensor.tensor_type.name != "Q4_1":
+            raise ValueError(f"{tensor.name} is {tensor.tensor_type.name}; only Q4_1 linear weights load as int4")
+        q, d, m = q4_1_blocks(np.asarray(tensor.data))
+        if parts[2] in ("attn_q", "attn_k"):
+            heads = config.num_heads if parts[2] == "attn_q" else config.num_kv_heads
+            order = hf_row_order(q.shape[0], heads)
+            q, d, m = q[order], d[order], m[order]
+        blocks[f"model.layers.{parts[1]}.{_LINEAR_NAMES[parts[2]]}"] = (q, d, m)
+    return blocks
+
+
+def load_gguf_linears_(model: nn.Module, path: str | Path, *, dtype: torch.dtype) -> list[str]:
+    """Replace, in place, the model's decoder linears by `Int4Linear`s holding the file's own Q4_1 blocks
+    (q/k/v and gate/up fused, as `quantize_linears_` does), scales and zeros in `dtype`. Returns their names.
+    The embedding and the LM head stay as the model has them."""
+    blocks = gguf_linear_blocks(path, model.config)
+    device = next(model.parameters()).device
+    done = []
+    for name, module in list(model.named_modules()):
+        groups = dict(getattr(module, "FUSED_PROJECTIONS", {}))
+        fused_parts = {part for parts in groups.values() for part in parts}
+        groups.update({child: (child,) for child, sub in module.named_children()
+                       if isinstance(sub, nn.Linear) and child not in fused_parts})
+        for group, part_names in groups.items():
+            keys = [f"{name}.{part}" for part in part_names]
+            if not all(key in blocks for key in keys):
+                continue
+            q, d, m = (torch.cat([blocks[key][i] for key in keys]) for i in range(3))
+            parts = [getattr(module, part) for part in part_names]
+            bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+            sizes = tuple(p.out_features for p in parts) if len(parts) > 1 else None
+            layer = Int4Linear(q.to(device), d.to(device), (m + 8 * d).to(device), bias, dtype, sizes)
+            for part in part_names:
+                delattr(module, part)
+            setattr(module, group, layer)
+            done.append(f"{name}.{group}")
+    return done

@@ -1,0 +1,199 @@
+"""Linear layers with quantized weights: int8 per output channel, int4 in groups (lesson 13).
+
+A decode step reads every weight once, so at small batch its time is the weights' bytes over the
+memory bandwidth. Fewer bits per weight is the most direct speed-up there is: PyTorch ships matrix
+multiplies that read quantized weights and de-quantize them in registers.
+
+- **int8, per output channel** (`Int8Linear`, `torch._weight_int8pack_mm`): row n of W is
+  `scale[n] * q[n]` with q in [-127, 127] and scale = max |W[n]| / 127 (symmetric: zero stays 0).
+- **int4, in groups** (`Int4Linear`, `torch._weight_int4pack_mm_for_cpu` on the CPU,
+  `torch._weight_int4pack_mm` on CUDA): each run of `group_size` input columns of a row has its own
+  scale and zero, and `W = (q - 8) * scale + zero` with q in [0, 15] (asymmetric: the group's minimum
+  and maximum are both representable). The kernels read the 4-bit values from their own tiled layout
+  (`_convert_weight_to_int4pack*`), two per byte.
+
+A GGUF Q4_1 block (32 weights: a scale d, a minimum m, 32 four-bit values q, W = d * q + m) is
+exactly such a group, with scale d and zero m + 8 d: `gguf.py` loads the bundled model's blocks
+into `Int4Linear` without rounding anything again.
+
+The kernels are fast with bfloat16 activations (on the 2-core CI CPU at one row: the bundled model's
+head took 3.4 ms dense, 1.5 ms int8 and 0.75 ms int4) and slow in float32 (there the int4 head took
+24 ms, dense 9.7 ms), so a quantized model computes in bfloat16 unless asked otherwise. At many rows
+(a prefill, a large decode batch) they lose to a dense bfloat16 multiply (the head at 64 rows: 11 ms
+dense, 43 ms int8, 22 ms int4): quantization buys small-batch latency and memory, not throughput.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+QUANTIZATIONS = ("int8", "int4", "gguf")
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+_INNER_K_TILES = 2  # the int4 kernels' tiling of the input dimension (K must be a multiple of 16 x this)
+_ROW_MULTIPLE = 16  # ... and of the output dimension
+
+
+# ------------------------------------------------------------------------------------ the arithmetic
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) -> q (out, in) int8 in [-127, 127], scale (out,) float32: weight ~ scale[:, None] * q."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,)
+    q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale[:, None]
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, in) -> q (out, in) int32 in [0, 15], scale and zero (out, in / group_size) float32:
+    weight ~ (q - 8) * scale + zero within each group of `group_size` input columns."""
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"in_features {in_features} is not a multiple of the group size {group_size}")
+    groups = weight.float().reshape(out_features, in_features // group_size, group_size)  # (out, G, group)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # (out, G)
+    scale = (high - low).clamp(min=1e-12) / 15
+    q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
+    return q.reshape(out_features, in_features), scale, low + 8 * scale
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    out_features, in_features = q.shape
+    groups = q.reshape(out_features, scale.shape[1], -1).float()  # (out, G, group)
+    return ((groups - 8) * scale[..., None] + zero[..., None]).reshape(out_features, in_features)
+
+
+# ------------------------------------------------------------------------------------ the layers
+class Int8Linear(nn.Module):
+    """y = x (scale * q)^T + b, with q int8 (out, in) and one scale per output channel."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 part_sizes: tuple[int, ...] | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("q", q.contiguous())
+        self.register_buffer("scale", scale.to(dtype))
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        self.part_sizes = part_sizes  # the output widths of the layers fused into this one, if any
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, dtype: torch.dtype,
+                    part_sizes: tuple[int, ...] | None = None) -> "Int8Linear":
+        q, scale = quantize_int8(weight)
+        return cls(q.to(weight.device), scale.to(weight.device), bias, dtype, part_sizes)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the layer multiplies by, (out, in) float32."""
+        return dequantize_int8(self.q, self.scale.float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # (..., in) -> (M, in)
+        out = torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scale.to(x.dtype))
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T + b, W = (q - 8) * scale + zero per group of `group_size` input columns, q 4-bit, held in
+    the int4 kernels' packed layout (two values a byte)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype, part_sizes: tuple[int, ...] | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.group_size = self.in_features // scale.shape[1]
+        if self.in_features % (16 * _INNER_K_TILES):
+            raise ValueError(f"int4 layers need in_features a multiple of {16 * _INNER_K_TILES}, got {self.in_features}")
+        pad = -self.out_features % _ROW_MULTIPLE  # the kernels take whole tiles of rows: padded with zeros
+        q, scale, zero = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (q.to(torch.int32), scale, zero))
+        self.register_buffer("packed", _pack_int4(q))
+        # (G, out + pad, 2): each group's scale and zero, as the kernels read them
+        self.register_buffer("scales_and_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+                             .to(dtype))
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        self.part_sizes = part_sizes
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, dtype: torch.dtype,
+                    group_size: int = 32, part_sizes: tuple[int, ...] | None = None) -> "Int4Linear":
+        q, scale, zero = quantize_int4(weight, group_size)
+        return cls(q, scale, zero, bias, dtype, part_sizes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # (..., in) -> (M, in)
+        scales_and_zeros = self.scales_and_zeros.to(x.dtype)
+        if self.packed.device.type == "cuda":
+            out = torch.ops.aten._weight_int4pack_mm(rows, self.packed, self.group_size, scales_and_zeros)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, scales_and_zeros)
+        out = out[:, : self.out_features]  # drop the padding rows' outputs
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int4 in groups of {self.group_size}")
+
+
+def _pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q (out, in) int32 in [0, 15] -> the int4 kernels' packed layout on q's device."""
+    if q.device.type == "cuda":  # the CUDA kernel takes two values a byte, the even column in the high nibble
+        pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # (out, in / 2)
+        return torch.ops.aten._convert_weight_to_int4pack(pairs, _INNER_K_TILES)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), _INNER_K_TILES)
+
+
+
+# ------------------------------------------------------------------------------------ a model's linears
+def quantize_linears_(model: nn.Module, method: str, *, group_size: int = 32,
+                      dtype: torch.dtype = torch.bfloat16) -> list[str]:
+    """Replace, in place, the model's linear layers (the LM head included) by quantized ones computing in
+    `dtype`; the groups its modules declare (`FUSED_PROJECTIONS`: q/k/v, gate/up) become one layer each.
+    Returns the names of the new layers. A head tied to the embedding gets its own quantized copy."""
+    if method not in ("int8", "int4"):
+        raise ValueError(f"quantization must be 'int8' or 'int4' here, got {method!r}")
+    if method == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+
+    def make(weight: torch.Tensor, bias: torch.Tensor | None, part_sizes: tuple[int, ...] | None) -> nn.Module:
+        if method == "int8":
+            return Int8Linear.from_weight(weight, bias, dtype=dtype, part_sizes=part_sizes)
+        return Int4Linear.from_weight(weight, bias, dtype=dtype, group_size=group_size, part_sizes=part_sizes)
+
+    done = []
+    with torch.no_grad():
+        for name, module in list(model.named_modules()):
+            for group, part_names in getattr(module, "FUSED_PROJECTIONS", {}).items():
+                parts = [getattr(module, part, None) for part in part_names]
+                if not all(isinstance(p, nn.Linear) for p in parts) or len({p.bias is None for p in parts}) > 1:
+                    continue
+                weight = torch.cat([p.weight for p in parts])  # rows of the parts, one after another
+                bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+                setattr(module, group, make(weight, bias, tuple(p.out_features for p in parts)))
+                for part in part_names:
+                    delattr(module, part)
+                done.append(f"{name}.{group}" if name else group)
+        for name, module in list(model.named_modules()):
+            if isinstance(module, nn.Linear):
+                parent_name, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent_name), child, make(module.weight, module.bias, None))
+                done.append(name)
+    return done
+
+
+def is_quantized(model: nn.Module) -> str | None:
+    """The quantization of the model's linear layers ("int8", "int4"), or None."""
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            return "int8"
+        if isinstance(module, Int4Linear):
+            return "int4"
+    return None

@@ -1,0 +1,158 @@
+"""Quantized linear layers (lesson 13): round trips within their bounds, layers equal to their de-quantized
+weights, a quantized model's greedy tokens equal to the de-quantized model's, and the GGUF's Q4_1 blocks
+loaded exactly."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from llm_runtime import LLM, SamplingParams, generate, load_model
+from llm_runtime.model.gguf import dequantize_q4_1, gguf_linear_blocks, q4_1_blocks, q8_0_blocks
+from llm_runtime.model.bundled import find_bundled_gguf
+from llm_runtime.model.quantized_linear import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8,
+                                                is_quantized, quantize_int4, quantize_int8, quantize_linears_)
+
+
+def test_int8_round_trip_is_within_half_a_step_per_channel() -> None:
+    w = torch.randn(48, 96, dtype=torch.float64) * torch.logspace(-2, 1, 48, dtype=torch.float64)[:, None]
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127
+    error = (dequantize_int8(q, scale) - w).abs()
+    assert bool((error <= scale[:, None] / 2 + 1e-6 * w.abs()).all())
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_int4_round_trip_is_within_half_a_step_per_group(group_size: int) -> None:
+    w = torch.randn(40, 128) * 3
+    q, scale, zero = quantize_int4(w, group_size)
+    assert int(q.min()) == 0 and int(q.max()) == 15
+    error = (dequantize_int4(q, scale, zero) - w).abs().reshape(40, -1, group_size)
+    assert bool((error <= scale[..., None] / 2 + 1e-5).all())
+    # The group's minimum and maximum are on the grid (asymmetric quantization).
+    groups = w.reshape(40, -1, group_size)
+    deq = dequantize_int4(q, scale, zero).reshape(40, -1, group_size)
+    torch.testing.assert_close(deq.amin(-1), groups.amin(-1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(deq.amax(-1), groups.amax(-1), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        quantize_int4(torch.randn(4, 48), 32)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_quantized_layer_multiplies_by_its_dequantized_weight(kind: str, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    w, bias = torch.randn(96, 128), torch.randn(96)
+    x = torch.randn(2, 5, 128)  # any leading shape
+    if kind == "int8":
+        layer = Int8Linear.from_weight(w, bias, dtype=dtype)
+        reference = dequantize_int8(*quantize_int8(w))
+    else:
+        layer = Int4Linear.from_weight(w, bias, dtype=dtype, group_size=32)
+        reference = dequantize_int4(*quantize_int4(w, 32))
+    out = layer(x.to(dtype))
+    assert out.shape == (2, 5, 96) and out.dtype == dtype
+    expected = x @ reference.T + bias
+    tolerance = 1e-4 if dtype == torch.float32 else 0.1 * float(expected.abs().max()) / 8
+    assert (out.float() - expected).abs().max().item() < tolerance
+
+
+def _dequantized_copy(model: nn.Module, kind: str) -> nn.Module:
+    """The float model whose linear weights are what `quantize_linears_` makes of them."""
+    copy_ = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in copy_.modules():
+            if isinstance(module, nn.Linear):
+                w = module.weight.float()
+                deq = dequantize_int8(*quantize_int8(w)) if kind == "int8" else dequantize_int4(*quantize_int4(w, 32))
+                module.weight = nn.Parameter(deq.to(module.weight.dtype))  # unties a tied head, as quantizing does
+    return copy_
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_quantized_model_gives_its_dequantized_models_greedy_tokens(tiny_pairs, kind: str) -> None:
+    model = copy.deepcopy(tiny_pairs["qwen2"][0]).float()  # q/k/v biases, a tied head
+    reference = _dequantized_copy(model, kind)
+    names = quantize_linears_(model, kind, dtype=torch.float32)
+    assert is_quantized(model) == kind
+    assert "model.layers.0.self_attn.qkv_proj" in names and "model.layers.0.mlp.gate_up_proj" in names
+    assert "lm_head" in names and not any(isinstance(m, nn.Linear) for m in model.modules())
+    ids = torch.tensor([[5, 9, 13, 40, 2, 77, 31]])
+    with torch.inference_mode():
+        torch.testing.assert_close(model.compute_logits(model(ids)), reference.compute_logits(reference(ids)),
+                                   atol=1e-4, rtol=1e-4)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [[5, 9, 13], [40, 2, 77, 31, 8], [11] * 4]
+    with LLM.from_model(model, None, num_kv_blocks=32) as llm:  # the engine: batching, paging
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs == [generate(reference, p, params) for p in prompts]
+
+
+def test_bad_quantization_requests_are_refused(tiny_pairs) -> None:
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        load_model(None, quantization="fp3")
+    with pytest.raises(ValueError, match="bundled model"):
+        load_model("some/model", quantization="gguf")
+    with pytest.raises(ValueError, match="compute in"):
+        load_model(None, quantization="int8", dtype="float16")
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_linears_(copy.deepcopy(tiny_pairs["llama2"][0]), "int4", group_size=48)
+
+
+# ------------------------------------------------------------------------------------ the bundled GGUF
+def test_q4_1_and_q8_0_blocks_read_byte_by_byte() -> None:
+    d, m = np.float16(0.5), np.float16(-1.25)
+    values = np.arange(32) % 16  # weight j is values[j]
+    nibbles = (values[:16] | (values[16:] << 4)).astype(np.uint8)  # byte j: weight j low, weight j + 16 high
+    block = np.concatenate([np.array([d]).view(np.uint8), np.array([m]).view(np.uint8), nibbles])[None]
+    q, scale, low = q4_1_blocks(block)
+    assert q[0].tolist() == values.tolist() and scale.item() == 0.5 and low.item() == -1.25
+    assert dequantize_q4_1(q, scale, low)[0].tolist() == (0.5 * values - 1.25).tolist()
+    ints = np.arange(-16, 16, dtype=np.int8)
+    q8, d8 = q8_0_blocks(np.concatenate([np.array([d]).view(np.uint8), ints.view(np.uint8)])[None])
+    assert q8[0].tolist() == ints.tolist() and d8.item() == 0.5
+
+
+def test_the_gguf_blocks_are_the_converted_checkpoints_weights_exactly(bundled) -> None:
+    """Every Q4_1 weight of the file, de-quantized in float32, is the converted checkpoint's weight (q and k
+    with llama.cpp's rotary row order undone), and the Q8_0 embedding too."""
+    model, _ = bundled
+    state = model.state_dict()
+    blocks = gguf_linear_blocks(find_bundled_gguf(), model.config)
+    assert len(blocks) == 7 * model.config.num_layers
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.29.mlp.down_proj"):
+        assert torch.equal(dequantize_q4_1(*blocks[name]), state[f"{name}.weight"]), name
+    from gguf import GGUFReader
+
+    embedding = next(t for t in GGUFReader(str(find_bundled_gguf())).tensors if t.name == "token_embd.weight")
+    q, d = q8_0_blocks(np.asarray(embedding.data))
+    deq = (q.reshape(q.shape[0], -1, 32).float() * d[..., None]).reshape(q.shape[0], -1)
+    assert torch.equal(deq, state["model.embed_tokens.weight"])
+
+
+def test_the_native_4_bit_model_has_the_dequantized_models_logits(bundled) -> None:
+    """In float32 the int4 layers holding the file's blocks give the de-quantized float model's logits."""
+    reference, _ = bundled
+    native, _ = load_model(None, quantization="gguf", dtype="float32")
+    assert is_quantized(native) == "int4"
+    ids = torch.tensor([list(range(100, 140))])
+    with torch.inference_mode():
+        torch.testing.assert_close(native.compute_logits(native(ids)), reference.compute_logits(reference(ids)),
+                                   atol=2e-3, rtol=0)
+
+
+def test_llm_and_the_command_line_take_a_quantization(capsys) -> None:
+    from llm_runtime.__main__ import main
+
+    # In float32: in bfloat16 the first token is a near-tie ("The" 25.625 against "L" 25.375, a step of 0.125).
+    with LLM(quantization="gguf", dtype="float32", max_num_seqs=2) as llm:
+        assert is_quantized(llm.model) == "int4" and llm.model.dtype == torch.float32
+        answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                          SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+        assert "Paris" in answer[0].outputs[0].text
+    assert main(["generate", "--quantization", "int8", "--max-tokens", "4", "Hi"]) == 0
+    assert "bfloat16" in capsys.readouterr().err  # a quantized model computes in bfloat16 by default
