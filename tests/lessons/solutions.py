@@ -14,6 +14,7 @@ import math
 from collections import Counter
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 # ------------------------------------------------------------------------------------------ lesson 01
@@ -609,6 +610,39 @@ def fused_qkv_split_in_thirds(x: torch.Tensor, q_weight: torch.Tensor, k_weight:
     return tuple((x @ torch.cat([q_weight, k_weight, v_weight]).T).chunk(3, dim=-1))
 
 
+def quantize_groups(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    groups = weight.reshape(weight.shape[0], -1, group_size)  # (out, G, group)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale = (high - low).clamp(min=1e-12) / 15
+    return (((groups - low) / scale).round().clamp(0, 15) * scale + low).reshape(weight.shape)
+
+
+def quantize_groups_per_row(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    low, high = weight.amin(-1, keepdim=True), weight.amax(-1, keepdim=True)  # one group per row: too coarse
+    scale = (high - low) / 15
+    return ((weight - low) / scale).round() * scale + low
+
+
+def quantize_groups_symmetric(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    groups = weight.reshape(weight.shape[0], -1, group_size)
+    scale = groups.abs().amax(-1, keepdim=True) / 7  # [-7, 7]: zero exact, but the grid is half as fine
+    return ((groups / scale).round().clamp(-8, 7) * scale).reshape(weight.shape)
+
+
+def read_q4_1_block(block: bytes) -> list[float]:
+    d, m = np.frombuffer(block[:4], dtype=np.float16).astype(np.float32)
+    packed = np.frombuffer(block[4:20], dtype=np.uint8)
+    q = np.concatenate([packed & 0x0F, packed >> 4])
+    return (d * q + m).tolist()
+
+
+def read_q4_1_block_interleaved(block: bytes) -> list[float]:
+    d, m = np.frombuffer(block[:4], dtype=np.float16).astype(np.float32)
+    packed = np.frombuffer(block[4:20], dtype=np.uint8)
+    q = np.stack([packed & 0x0F, packed >> 4], axis=1).reshape(-1)  # low, high of each byte in turn: wrong order
+    return (d * q + m).tolist()
+
+
 SOLUTIONS: dict[str, Callable] = {
     "lesson01.rms_norm": rms_norm,
     "lesson01.kv_bytes_per_token": kv_bytes_per_token,
@@ -637,6 +671,8 @@ SOLUTIONS: dict[str, Callable] = {
     "lesson11.paged_decode": paged_decode,
     "lesson12.slot_mappings": slot_mappings,
     "lesson12.fused_qkv": fused_qkv,
+    "lesson13.quantize_groups": quantize_groups,
+    "lesson13.read_q4_1_block": read_q4_1_block,
 }
 
 WRONG: dict[str, list[Callable]] = {
@@ -667,4 +703,6 @@ WRONG: dict[str, list[Callable]] = {
     "lesson11.paged_decode": [paged_decode_without_rescaling, paged_decode_whole_last_block],
     "lesson12.slot_mappings": [slot_mappings_ignoring_the_start, slot_mappings_offset_by_block_index],
     "lesson12.fused_qkv": [fused_qkv_split_in_thirds],
+    "lesson13.quantize_groups": [quantize_groups_per_row, quantize_groups_symmetric],
+    "lesson13.read_q4_1_block": [read_q4_1_block_interleaved],
 }
