@@ -8,6 +8,7 @@ interpreter: everything a graph replays but the graph. The GPU-marked tests capt
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -120,15 +121,75 @@ def test_padded_rows_write_nowhere(tiny_pairs) -> None:
 @needs_cuda
 @pytest.mark.parametrize("compile_pointwise", [False, True])
 def test_cuda_graphs_give_the_eager_tokens_on_the_gpu(tiny_pairs, compile_pointwise: bool) -> None:
-    """On CUDA, graphs are captured by default (Triton backend), and give enforce_eager's greedy tokens."""
-    model = copy.deepcopy(tiny_pairs["qwen3"][0]).to("cuda", torch.bfloat16)
+    """On CUDA, graphs are captured by default (Triton backend), and give the same engine's greedy tokens
+    without graphs (same pointwise ops, float32: only the graph differs)."""
+    model = copy.deepcopy(tiny_pairs["qwen3"][0]).to("cuda", torch.float32)
     prompts = _prompts(model.config.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    base = dict(max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=256, attention_backend="triton")
-    expected = _run(LLMEngine(model, None, EngineConfig(**base, enforce_eager=True)), prompts, params)
-    engine = LLMEngine(model, None, EngineConfig(**base, compile_pointwise=compile_pointwise))
+    base = dict(max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=256, attention_backend="triton",
+                compile_pointwise=compile_pointwise)
+    expected = _run(LLMEngine(model, None, EngineConfig(**base, cuda_graphs=False)), prompts, params)
+    engine = LLMEngine(model, None, EngineConfig(**base))
     assert engine.stats().cuda_graph_sizes == (1, 2, 4, 8)
     assert _run(engine, prompts, params) == expected
     assert engine.stats().num_graph_replays > 10
     engine.shutdown()
     assert engine.model_runner.graphs is None
+
+
+@needs_cuda
+@pytest.mark.parametrize("split_kv", ["never", "always"])
+def test_captured_split_kv_gives_the_eager_tokens_on_the_gpu(tiny_pairs, split_kv: str) -> None:
+    """Real graphs over both decode kernels, split-KV with small partitions (most of them empty at replay)."""
+    model = copy.deepcopy(tiny_pairs["qwen3"][0]).to("cuda", torch.float32)
+    prompts = _prompts(model.config.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=64, block_size=16,
+                          max_model_len=256, attention_backend="triton", cuda_graphs=False)
+    backend = TritonBackend(split_kv=split_kv, partition_size=32)
+    eager = LLMEngine(model, None, config)
+    eager.model_runner.attention_backend = backend
+    expected = _run(eager, prompts, params)
+    engine = LLMEngine(model, None, config)
+    engine.model_runner.attention_backend = backend
+    graphs = DecodeGraphs(model, engine.kv_cache, backend, max_num_seqs=8, max_model_len=engine.max_model_len)
+    engine.model_runner.capture_graphs(graphs)
+    assert _run(engine, prompts, params) == expected
+    assert engine.stats().num_graph_replays > 10
+
+def test_graph_memory_is_kept_out_of_the_pool_and_a_failed_capture_falls_back(tiny_pairs, monkeypatch) -> None:
+    """When graphs will be captured, the KV budget keeps room for their pool; when a capture the config did
+    not insist on fails, the engine warns and runs every step eagerly (here on the CPU, with the CUDA
+    checks patched out and a capture that raises)."""
+    from llm_runtime.engine import engine as engine_module
+    from llm_runtime.engine.cuda_graphs import graph_memory_bytes
+
+    model = tiny_pairs["llama3"][0]
+    config = EngineConfig(max_num_seqs=16, max_model_len=256, cpu_device_memory=8 * 2**20, block_size=16)
+    plain = LLMEngine(model, None, config)
+    plain_blocks = plain.stats().num_total_blocks
+    backend = plain.attention_backend
+    plain.shutdown()
+
+    def failing_capture(self) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    from llm_runtime.engine import cuda_graphs
+
+    for module in (engine_module, cuda_graphs):
+        monkeypatch.setattr(module, "graphs_unavailable_reason", lambda device, backend: None)
+    monkeypatch.setattr(DecodeGraphs, "capture", failing_capture)
+    with pytest.warns(RuntimeWarning, match="every step runs eagerly"):
+        engine = LLMEngine(model, None, config)
+    reserve = graph_memory_bytes(model.config, backend, max_num_seqs=16, max_model_len=256, dtype=model.dtype)
+    block_bytes = engine.kv_cache.nbytes // engine.stats().num_total_blocks
+    assert reserve > block_bytes
+    assert engine.stats().num_total_blocks == plain_blocks - reserve // block_bytes or \
+        engine.stats().num_total_blocks == plain_blocks - reserve // block_bytes - 1
+    assert engine.model_runner.graphs is None and engine.stats().cuda_graph_sizes == ()
+    engine.add_request("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.shutdown()
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        LLMEngine(model, None, replace(config, cuda_graphs=True))

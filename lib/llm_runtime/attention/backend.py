@@ -45,6 +45,11 @@ class AttentionBackend(ABC):
         """None when this backend reads pools of `block_size`-token blocks; otherwise why not."""
         return None
 
+    def decode_workspace_bytes(self, num_seqs: int, max_seq_len: int, num_heads: int, head_dim: int) -> int:
+        """Bytes of scratch memory a decode step of `num_seqs` sequences up to `max_seq_len` keys allocates
+        beyond its output (what a CUDA graph of that step keeps in its pool); 0 when nothing to speak of."""
+        return 0
+
     def plan(self, metadata: AttentionMetadata) -> Any:
         """Per step, before the first layer: whatever this backend precomputes from the metadata."""
         return metadata

@@ -77,6 +77,14 @@ class TritonBackend(AttentionBackend):
             return None
         return "Triton needs a CUDA GPU (or TRITON_INTERPRET=1 on the CPU)"
 
+    def decode_workspace_bytes(self, num_seqs: int, max_seq_len: int, num_heads: int, head_dim: int) -> int:
+        """The split-KV partials: a running max, a sum and a head_dim accumulator in float32 per
+        (sequence, head, partition)."""
+        if self.split_kv == "never":
+            return 0
+        num_splits = -(-max_seq_len // self.partition_size)
+        return num_seqs * num_heads * num_splits * (head_dim + 2) * 4
+
     def plan(self, metadata: AttentionMetadata) -> TritonPlan:
         num_splits = 0
         all_decodes = metadata.num_seqs > 0 and metadata.max_query_len == 1

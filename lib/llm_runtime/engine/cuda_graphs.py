@@ -22,7 +22,10 @@ What capture forbids follows from "the kernels and their arguments are recorded,
 Prefill and mixed steps change shape every step: they run eagerly, as in vLLM's default.
 
 The buckets are captured largest first into one memory pool, so the smaller graphs reuse the
-largest one's intermediate memory. `replay="eager"` runs the same captured function (static buffers,
+largest one's intermediate memory. That pool is private to the graphs: the KV budget keeps room for
+it before sizing the KV pool (`graph_memory_bytes`). Warm-up and capture run on a side stream of the
+model's device, as `torch.cuda.graph` wants (the default stream cannot be captured); replays run on
+the current stream. `replay="eager"` runs the same captured function (static buffers,
 padding, the kept plan) without a graph: on the CPU, with the Triton backend under its interpreter,
 it tests everything but the graph itself.
 """
@@ -38,6 +41,7 @@ import torch
 from ..attention.backend import AttentionBackend, PagedAttentionStep
 from ..attention.kv_cache import PagedKVCache
 from ..attention.metadata import AttentionMetadata
+from ..config import ModelConfig
 from ..model import CausalLM
 from .input_batch import ModelInput
 
@@ -62,6 +66,18 @@ def graphs_unavailable_reason(device: torch.device, backend: AttentionBackend) -
     if not backend.supports_cuda_graphs:
         return f"the {backend.name} attention backend cannot be captured in a CUDA graph"
     return None
+
+
+def graph_memory_bytes(model_config: ModelConfig, backend: AttentionBackend, *, max_num_seqs: int,
+                       max_model_len: int, dtype: torch.dtype) -> int:
+    """An estimate of the graphs' private memory pool: the intermediates of the largest bucket's forward
+    pass (per row a few hidden-sized buffers, q/k/v, the MLP's gate, up and product), its float32 logits
+    and the attention backend's decode workspace at `max_model_len` (split-KV partials, for one)."""
+    c = model_config
+    per_row = 6 * c.hidden_size + 3 * c.intermediate_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    workspace = backend.decode_workspace_bytes(max_num_seqs, max_model_len, c.num_heads, c.head_dim)
+    return max_num_seqs * (per_row * itemsize + c.vocab_size * 4) + workspace
 
 
 class DecodeGraphs:
@@ -92,22 +108,38 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(size, self.max_blocks, dtype=torch.int32, device=device)
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> static output (bucket, vocab)
         self._runs: dict[int, Callable[[], None]] = {}  # bucket -> replays the step
+        self._graphs: list[torch.cuda.CUDAGraph] = []
 
     def capture(self) -> None:
         """Capture (or, with replay="eager", prepare) every bucket, largest first, in one memory pool."""
-        pool = torch.cuda.graph_pool_handle() if self.replay_mode == "graph" else None
-        for size in reversed(self.sizes):
-            step = self._step_function(size)
-            if self.replay_mode == "eager":
-                self._runs[size] = step
-                continue
-            step()  # warm-up outside the graph: compiles kernels, runs lazy initialization
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                step()
-            self._runs[size] = graph.replay
+        if self.replay_mode == "eager":
+            self._runs = {size: self._step_function(size) for size in reversed(self.sizes)}
+            return
+        device = self.model.device
+        with torch.cuda.device(device):
+            pool = torch.cuda.graph_pool_handle()
+            stream = torch.cuda.Stream(device)  # capture cannot run on the default stream
+            stream.wait_stream(torch.cuda.current_stream(device))  # the pool and weights are ready
+            for size in reversed(self.sizes):
+                step = self._step_function(size)
+                with torch.cuda.stream(stream):
+                    step()  # warm-up outside the graph: compiles kernels, runs lazy initialization
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    step()
+                self._graphs.append(graph)
+                self._runs[size] = graph.replay
+            torch.cuda.current_stream(device).wait_stream(stream)
         logger.info("captured decode steps for batch sizes %s", ", ".join(map(str, self.sizes)))
+
+    def close(self) -> None:
+        """Drop the graphs and their static outputs (their pool goes back to the caching allocator)."""
+        self._runs.clear()
+        self.logits.clear()
+        for graph in self._graphs:
+            graph.reset()
+        self._graphs.clear()
 
     def _step_function(self, size: int) -> Callable[[], None]:
         """The forward pass of a `size`-row decode step over the static buffers, its plan made once here."""
@@ -162,6 +194,10 @@ class DecodeGraphs:
         self.seq_lens[num_seqs:size].fill_(1)  # ... and read one key of whatever block their table row names
         width = metadata.block_tables.shape[1]
         self.block_tables[:num_seqs, :width].copy_(metadata.block_tables)  # columns past width: never read
-        self._runs[size]()
+        if self.replay_mode == "graph":
+            with torch.cuda.device(self.model.device):
+                self._runs[size]()
+        else:
+            self._runs[size]()
         self.num_replays += 1
         return self.logits[size][:num_seqs]

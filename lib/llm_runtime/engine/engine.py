@@ -20,6 +20,7 @@ reports both, with the scheduler's preemption and prefix-cache counters.
 from __future__ import annotations
 
 import logging
+import warnings
 import os
 import time
 from dataclasses import dataclass, replace
@@ -36,7 +37,7 @@ from ..model.packed_linear import is_packed, pack_linears_, packing_unsupported_
 from ..model.tokenizer import Tokenizer
 from ..sampling import Sampler, SamplingParams
 from .block_manager import BlockManager
-from .cuda_graphs import DecodeGraphs, graphs_unavailable_reason
+from .cuda_graphs import DecodeGraphs, graph_memory_bytes, graphs_unavailable_reason
 from .host_memory import keep_freed_host_memory
 from .input_processor import EngineRequest, InputProcessor, Messages, Prompt
 from .kv_budget import CPU_DEVICE, kv_cache_memory
@@ -105,8 +106,13 @@ class LLMEngine:
         self._compile_pointwise(owns_model)
         if model.device.type == "cpu":
             keep_freed_host_memory()  # a step's temporaries reuse memory instead of page-faulting (host_memory.py)
-        num_blocks = self._num_kv_blocks(config.max_model_len or limit)
         block_size = config.block_size
+        # The environment variable is read here, once per engine: a user's or a lesson's override of "auto".
+        self.attention_backend = select_backend(config.attention_backend, model.device, model.dtype, os.environ,
+                                                  block_size)
+        logger.info("attention backend: %s", self.attention_backend.name)
+        wants_graphs = self._wants_graphs()
+        num_blocks = self._num_kv_blocks(config.max_model_len or limit, graphs=wants_graphs)
         if config.max_model_len is not None and config.max_model_len > num_blocks * block_size:
             raise ValueError(
                 f"max_model_len {config.max_model_len} needs more KV memory than the pool's {num_blocks} "
@@ -123,13 +129,10 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.profile = StepProfile()  # where step time goes (lesson 09, bench)
-        # The environment variable is read here, once per engine: a user's or a lesson's override of "auto".
-        self.attention_backend = select_backend(config.attention_backend, model.device, model.dtype, os.environ,
-                                                  block_size)
-        logger.info("attention backend: %s", self.attention_backend.name)
         self.model_runner = ModelRunner(model, Sampler(seed=config.seed, device=model.device), self.kv_cache,
                                         self.profile, self.attention_backend)
-        self._capture_graphs()
+        if wants_graphs:
+            self._capture_graphs()
         self.input_processor = InputProcessor(tokenizer, model.config, config, context_len=context_len,
                                               max_model_len=self.max_model_len, num_kv_blocks=num_blocks)
         self.output_processor = OutputProcessor(tokenizer)
@@ -167,30 +170,44 @@ class LLMEngine:
         elif compiled and (self.config.enforce_eager or self.config.compile_pointwise is False):
             set_pointwise_ops_(self.model, EAGER_OPS)  # asked for eager: a model compiled by an earlier engine too
 
-    def _capture_graphs(self) -> None:
-        """Capture decode steps in CUDA graphs (cuda_graphs.py): when the config says True, or says None and
-        this device and attention backend allow it; never with enforce_eager."""
+    def _wants_graphs(self) -> bool:
+        """Whether decode steps will be captured in CUDA graphs (cuda_graphs.py): when the config says True,
+        or says None and this device and attention backend allow it; never with enforce_eager."""
         wanted = self.config.cuda_graphs
         reason = graphs_unavailable_reason(self.model.device, self.attention_backend)
         if wanted is None:
-            wanted = reason is None and not self.config.enforce_eager
-        if not wanted:
-            return
-        if reason is not None:
+            return reason is None and not self.config.enforce_eager
+        if wanted and reason is not None:
             raise ValueError(f"cuda_graphs=True, but {reason}")
+        return wanted
+
+    def _capture_graphs(self) -> None:
+        """Capture decode steps, after the pool exists (the graphs read and write it). When the config left
+        the choice to the engine (None), a failed capture leaves every step eager, with a warning."""
         graphs = DecodeGraphs(self.model, self.kv_cache, self.attention_backend,
                               max_num_seqs=self.config.max_num_seqs, max_model_len=self.max_model_len)
-        self.model_runner.capture_graphs(graphs)
+        try:
+            self.model_runner.capture_graphs(graphs)
+        except Exception as error:
+            graphs.close()
+            if self.config.cuda_graphs:
+                raise
+            warnings.warn(f"capturing decode steps in CUDA graphs failed ({type(error).__name__}: {error}); "
+                          f"every step runs eagerly (cuda_graphs=False silences this)", RuntimeWarning,
+                          stacklevel=3)
 
-    def _num_kv_blocks(self, max_model_len: int) -> int:
-        """The pool size: num_kv_blocks, else kv_cache_memory, else what the device has left (kv_budget.py)."""
+    def _num_kv_blocks(self, max_model_len: int, graphs: bool) -> int:
+        """The pool size: num_kv_blocks, else kv_cache_memory, else what the device has left (kv_budget.py),
+        less the room CUDA graphs will take when `graphs`."""
         config, model = self.config, self.model
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         if config.kv_cache_memory is not None:
             nbytes = config.kv_cache_memory
         else:
-            nbytes = kv_cache_memory(model, config, max_model_len)
+            reserve = graph_memory_bytes(model.config, self.attention_backend, max_num_seqs=config.max_num_seqs,
+                                         max_model_len=max_model_len, dtype=model.dtype) if graphs else 0
+            nbytes = kv_cache_memory(model, config, max_model_len, reserve=reserve)
         num_blocks = num_blocks_in(nbytes, model.config, config.block_size, model.dtype)
         if num_blocks < 1:
             raise ValueError(f"{nbytes} bytes of KV memory hold no block of {config.block_size} tokens "
@@ -205,7 +222,9 @@ class LLMEngine:
         for request_id in list(self.requests):
             self.abort_request(request_id)
         self.is_shut_down = True
-        self.model_runner.graphs = None  # they point into the pool
+        if self.model_runner.graphs is not None:
+            self.model_runner.graphs.close()  # they point into the pool
+            self.model_runner.graphs = None
         self.kv_cache.release()
         CPU_DEVICE.release(self)
         if self.model.device.type == "cuda":

@@ -89,14 +89,15 @@ class DeviceLedger:
 CPU_DEVICE = DeviceLedger()
 
 
-def kv_cache_memory(model: CausalLM, config: EngineConfig, max_model_len: int) -> int:
-    """Bytes for the KV pool by the rule above (the config gave neither num_kv_blocks nor kv_cache_memory)."""
+def kv_cache_memory(model: CausalLM, config: EngineConfig, max_model_len: int, reserve: int = 0) -> int:
+    """Bytes for the KV pool by the rule above (the config gave neither num_kv_blocks nor kv_cache_memory),
+    less `reserve` bytes that something else will take later (CUDA graphs' memory pool)."""
     block = kv_block_bytes(model.config, config.block_size, model.dtype)
     if model.device.type == "cuda":
-        headroom = profile_kv_cache_memory(model, config, min_bytes=block)
+        headroom = profile_kv_cache_memory(model, config, min_bytes=block + reserve) - reserve
     else:
         total = int(config.cpu_device_memory * config.gpu_memory_utilization)
-        held = CPU_DEVICE.held_bytes(model.device, besides=model) + activation_bytes(model, config)
+        held = CPU_DEVICE.held_bytes(model.device, besides=model) + activation_bytes(model, config) + reserve
         headroom = total - held
         if headroom < block:
             raise RuntimeError(
