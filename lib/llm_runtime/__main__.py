@@ -13,6 +13,7 @@ import argparse
 import sys
 import time
 
+from .config import KV_CACHE_DTYPES
 from .model.quantized_linear import QUANTIZATIONS
 
 
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--dtype", default="auto")
     srv.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                      help="int8 / int4 linear layers, or the bundled GGUF's own 4-bit blocks (gguf)")
+    srv.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                     help="how the KV pool stores keys and values: the model's dtype, int8 or fp8 (e4m3)")
     srv.add_argument("--max-num-seqs", type=int, default=32)
     srv.add_argument("--max-model-len", type=int, default=None, help="context offered (default: the model's)")
     srv.add_argument("--max-waiting-requests", type=int, default=256, help="more get 503 (busy)")
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                                                             max_model_len=args.max_model_len,
                                                             gpu_memory_utilization=args.gpu_memory_utilization,
                                                             kv_cache_memory=args.kv_cache_memory,
+                                                            kv_cache_dtype=args.kv_cache_dtype,
                                                             check_invariants=args.check_invariants,
                                                             enforce_eager=args.enforce_eager),
                              owns_model=True)

@@ -145,6 +145,7 @@ DEFAULT_CPU_DEVICE_MEMORY = 2 << 30
 
 # Attention backends by name (attention/selector.py holds the classes); "auto" picks by device and
 # what is installed. The environment variable overrides "auto" (read once, when an engine is built).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # EngineConfig.kv_cache_dtype (attention/kv_quant.py)
 ATTENTION_BACKENDS = ("auto", "torch-gather", "blockwise", "cpu", "flex", "triton", "flash-attn")
 ATTENTION_BACKEND_ENV = "LLM_RUNTIME_ATTENTION_BACKEND"
 
@@ -172,6 +173,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # fraction of device memory the engine may use, weights included
     cpu_device_memory: int = DEFAULT_CPU_DEVICE_MEMORY  # the CPU's emulated device memory (the KV budget's rule)
     enable_prefix_caching: bool = True  # reuse computed blocks of equal prefixes across requests
+    # How the pool stores keys and values: "auto" (the model's dtype), "int8" (a float16 scale per token and
+    # KV head) or "fp8" (e4m3): about 4x the tokens of a float32 pool in the same bytes (attention/kv_quant.py).
+    kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS (lesson 11)
     # The model's linear weights repacked in place for oneDNN (model/packed_linear.py; the CPU, float32 and
     # bfloat16): faster linear layers, the same memory but for a tied head's copy. None: if the engine owns the
@@ -218,6 +222,8 @@ class EngineConfig:
             raise ValueError("compile_pointwise=True asks for torch.compile, which enforce_eager=True forbids")
         if self.enforce_eager and self.cuda_graphs:
             raise ValueError("cuda_graphs=True asks for CUDA graphs, which enforce_eager=True forbids")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")

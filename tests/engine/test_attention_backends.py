@@ -21,6 +21,7 @@ from test_kv_memory import BLOCK_SIZE, assert_no_leak, blocks_unconstrained, exp
     shared_prefix_workload
 
 CPU_BACKENDS = [name for name, reason in available_backends("cpu", torch.float64).items() if reason is None]
+CPU_BACKENDS_FLOAT32 = [name for name, reason in available_backends("cpu", torch.float32).items() if reason is None]
 
 
 def test_the_cpu_runs_the_reference_and_the_blockwise_backend() -> None:
@@ -126,3 +127,29 @@ def test_the_c_kernel_in_the_engine_gives_the_reference_backends_tokens(tiny_pai
         assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
         assert_no_leak(engine)
     assert tokens["cpu"] == tokens["torch-gather"]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("backend", [b for b in CPU_BACKENDS_FLOAT32 if b != "triton"])
+def test_a_quantized_kv_cache_under_prefix_hits_forks_and_preemption(tiny_pairs, backend: str,
+                                                                     kv_cache_dtype: str) -> None:
+    """An 8-bit pool quantizes each token's keys on their own, so batching, paging, prefix hits, forks and
+    preemption change nothing: every request gets the tokens it gets alone with the same pool, and no block
+    leaks. (Alone against the full-precision engine, the tokens may differ: that is the quantization.)"""
+    model = copy.deepcopy(tiny_pairs["qwen3"][0]).float()
+    workload = shared_prefix_workload(model.config.vocab_size, num_requests=16, seed=3)
+    need = blocks_unconstrained(workload)
+    largest = max(-(-(len(prompt) + p.max_tokens) // BLOCK_SIZE) for prompt, p in workload)
+    options = dict(block_size=BLOCK_SIZE, attention_backend=backend, kv_cache_dtype=kv_cache_dtype)
+    engine = LLMEngine(model, None, EngineConfig(max_num_seqs=16, max_num_batched_tokens=128,
+                                                 num_kv_blocks=max(need * 15 // 100, largest), **options))
+    assert engine.kv_cache.keys[0].dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_cache_dtype]
+    results = run_all(engine, workload, arrive_every=1)
+    stats = engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
+    assert_no_leak(engine)
+    alone = LLMEngine(model, None, EngineConfig(num_kv_blocks=64, enable_prefix_caching=False, **options))
+    for i, (prompt, params) in enumerate(workload):
+        single = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True)
+        expected = run_all(alone, [(prompt, single)])["0"][0]
+        assert results[str(i)] == [expected] * params.n, f"request {i}"

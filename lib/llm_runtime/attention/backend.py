@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from .kv_cache import PagedKVCache
+from .kv_quant import compact_step
 from .metadata import AttentionMetadata
 
 
@@ -34,6 +35,9 @@ class AttentionBackend(ABC):
     # `forward` launch kernels that read the device tensors only, with no host synchronization, and a
     # padded row (slot -1, one key) writes nowhere.
     supports_cuda_graphs: ClassVar[bool] = False
+    # True when `forward` needs the pool's shape fixed for the engine's life (a compiled kernel): a quantized
+    # pool is then read back whole each layer instead of the step's blocks alone (kv_quant.py).
+    reads_whole_pool: ClassVar[bool] = False
 
     @classmethod
     def is_available(cls, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -105,7 +109,10 @@ class PagedAttentionStep:
         self.metadata = metadata
         self.timer = timer
         started = time.perf_counter()
-        self.plan = backend.plan(metadata)
+        # A quantized pool is read through a small full-precision copy of the step's own blocks (kv_quant.py).
+        whole_pool = cache.num_blocks if backend.reads_whole_pool else None
+        self.compact = compact_step(metadata, whole_pool) if cache.quantized else None
+        self.plan = backend.plan(metadata if self.compact is None else self.compact.metadata)
         if timer is not None:
             timer.attention += time.perf_counter() - started
 
@@ -114,7 +121,14 @@ class PagedAttentionStep:
         started = time.perf_counter()
         key_pool, value_pool = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         key, value = k[0].transpose(0, 1), v[0].transpose(0, 1)  # (N, KV, d)
-        self.backend.store_kv(key_pool, value_pool, self.metadata.slot_mapping, key, value)
+        if self.compact is None:
+            self.backend.store_kv(key_pool, value_pool, self.metadata.slot_mapping, key, value)
+        else:  # quantize into the pool, attend over the step's blocks read back (and these keys as stored)
+            self.cache.write(layer_idx, self.metadata.slot_mapping, key, value)
+            key_pool, value_pool = self.cache.read_blocks(layer_idx, self.compact.blocks)  # (U, bs, KV, d)
+            quantization = self.cache.quantization
+            key = quantization.dequantize(*quantization.quantize(key), key.dtype)
+            value = quantization.dequantize(*quantization.quantize(value), value.dtype)
         out = self.backend.forward(q[0].transpose(0, 1), key, value, key_pool, value_pool, self.plan)  # (N, H, d)
         if self.timer is not None:
             self.timer.attention += time.perf_counter() - started

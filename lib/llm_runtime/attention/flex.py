@@ -190,6 +190,7 @@ class FlexAttentionBackend(AttentionBackend):
     """
 
     name = "flex"
+    reads_whole_pool = True  # compiled for the pool's size (a quantized pool is read back whole)
 
     def __init__(self, prefill_tile_tokens: int = 16, decode_tile_tokens: int = 1) -> None:
         if prefill_tile_tokens < 1 or decode_tile_tokens < 1:

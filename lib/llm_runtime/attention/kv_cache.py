@@ -6,6 +6,7 @@ The model talks to any cache through two calls (the `KVCache` protocol): `attend
 batched and paged caches sit behind the same two calls (`torch_gather.PagedKVBatch`).
 
 How much memory a cache takes is arithmetic on the config: `kv_block_bytes` and `num_blocks_in`.
+The paged pool can hold its keys and values in 8 bits (`kv_cache_dtype`, `kv_quant.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Protocol
 import torch
 
 from .causal import causal_attention
+from .kv_quant import SCALE_DTYPE, KVQuantization
 from ..config import ModelConfig
 
 
@@ -110,6 +112,9 @@ class PagedKVCache:
 
     Which blocks belong to which sequence is the BlockManager's business; this class only stores.
     Token t of a sequence lives at flat slot table[t // block_size] * block_size + t % block_size.
+    With `kv_cache_dtype` "int8" or "fp8" the pools hold 8-bit elements (`quantization.storage`) and,
+    for int8, `key_scales` and `value_scales` hold a float16 scale per slot and KV head (num_blocks,
+    block_size, num_kv_heads); `dtype` stays the model's, the dtype attention reads them back in.
     """
 
     def __init__(
@@ -122,26 +127,56 @@ class PagedKVCache:
         *,
         dtype: torch.dtype,
         device: torch.device | str,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if min(num_layers, num_blocks, block_size, num_kv_heads, head_dim) < 1:
             raise ValueError("every paged KV cache dimension must be >= 1")
+        self.quantization = quantization = KVQuantization.of(kv_cache_dtype, dtype)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.keys = [torch.zeros(shape, dtype=quantization.storage, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=quantization.storage, device=device) for _ in range(num_layers)]
+        scales = shape[:3] if quantization.scaled else None
+        self.key_scales = [torch.zeros(scales, dtype=SCALE_DTYPE, device=device) for _ in range(num_layers)] \
+            if scales else []
+        self.value_scales = [torch.zeros(scales, dtype=SCALE_DTYPE, device=device) for _ in range(num_layers)] \
+            if scales else []
+        self.dtype = dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
 
     @classmethod
     def for_model(
-        cls, config: ModelConfig, num_blocks: int, block_size: int, *, dtype: torch.dtype, device: torch.device | str
+        cls, config: ModelConfig, num_blocks: int, block_size: int, *, dtype: torch.dtype, device: torch.device | str,
+        kv_cache_dtype: str = "auto",
     ) -> "PagedKVCache":
         return cls(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim,
-                   dtype=dtype, device=device)
+                   dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
+
+    @property
+    def quantized(self) -> bool:
+        return self.quantization.quantized
 
     def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v (N, num_kv_heads, head_dim) at flat slots `slot_mapping` (N,)."""
-        self.keys[layer_idx].view(-1, *k.shape[1:])[slot_mapping] = k  # (num_blocks * block_size, KV, d)
-        self.values[layer_idx].view(-1, *v.shape[1:])[slot_mapping] = v
+        """Store k, v (N, num_kv_heads, head_dim) at flat slots `slot_mapping` (N,), quantized when the
+        pool is; a slot of -1 writes nowhere."""
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+        for pools, scale_pools, x in ((self.keys, self.key_scales, k), (self.values, self.value_scales, v)):
+            stored, scale = self.quantization.quantize(x)
+            pools[layer_idx].view(-1, *x.shape[1:])[slot_mapping] = stored  # (num_blocks * block_size, KV, d)
+            if scale is not None:
+                scale_pools[layer_idx].view(-1, x.shape[1])[slot_mapping] = scale  # (num_slots, KV)
+
+    def read_blocks(self, layer_idx: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the given blocks (U,) in the model's dtype: (U, block_size, KV, d) each."""
+        quantization = self.quantization
+        keys = quantization.dequantize(self.keys[layer_idx][blocks],
+                                       self.key_scales[layer_idx][blocks] if quantization.scaled else None, self.dtype)
+        values = quantization.dequantize(self.values[layer_idx][blocks],
+                                         self.value_scales[layer_idx][blocks] if quantization.scaled else None,
+                                         self.dtype)
+        return keys, values
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks (source, destination) in every layer."""
@@ -149,24 +184,29 @@ class PagedKVCache:
             return
         sources = torch.tensor([s for s, _ in copies], device=self.keys[0].device)
         destinations = torch.tensor([d for _, d in copies], device=self.keys[0].device)
-        for pool in self.keys + self.values:
+        for pool in self.keys + self.values + self.key_scales + self.value_scales:
             pool[destinations] = pool[sources]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values + self.key_scales + self.value_scales)
 
     def release(self) -> None:
         """Drop the pool's tensors (the engine is shutting down); the cache holds no memory afterwards."""
-        self.keys, self.values = [], []
+        self.keys, self.values, self.key_scales, self.value_scales = [], [], [], []
         self.num_blocks = 0
 
 
-def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block across all layers, K and V: block_size x 2 x layers x kv heads x head dim x size."""
-    return block_size * config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one block across all layers, K and V: block_size x 2 x layers x kv heads x head dim x size
+    (for a quantized pool: x the bytes of a stored head, its scale included)."""
+    quantization = KVQuantization.of(kv_cache_dtype, dtype)
+    if not quantization.quantized:
+        return block_size * config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+    return block_size * 2 * config.num_layers * config.num_kv_heads * quantization.head_bytes(config.head_dim)
 
 
-def num_blocks_in(nbytes: int, config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def num_blocks_in(nbytes: int, config: ModelConfig, block_size: int, dtype: torch.dtype,
+                  kv_cache_dtype: str = "auto") -> int:
     """How many whole blocks fit in `nbytes` of memory."""
-    return nbytes // kv_block_bytes(config, block_size, dtype)
+    return nbytes // kv_block_bytes(config, block_size, dtype, kv_cache_dtype)

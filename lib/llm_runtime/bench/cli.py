@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..config import KV_CACHE_DTYPES
 from ..model.quantized_linear import QUANTIZATIONS
 
 if TYPE_CHECKING:
@@ -53,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "steps replay CUDA graphs on CUDA)")
     parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                         help="the bench's model with int8 / int4 linears, or the bundled GGUF's 4-bit blocks (gguf)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="engine: how the KV pool stores keys and values (the model's dtype, int8 or fp8)")
     parser.add_argument("--no-prepack-weights", action="store_true",
                         help="engine: keep nn.Linear's plain weights (by default the bench's model is repacked "
                              "for oneDNN in place where that applies: the CPU in float32)")
@@ -123,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
     compile_pointwise = args.compile_pointwise or (model.device.type == "cuda" and not args.enforce_eager)
     engine_options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                       "prepack_weights": prepack, "compile_pointwise": compile_pointwise,
-                      "enforce_eager": args.enforce_eager, "cuda_graphs": False if args.no_cuda_graphs else None}
+                      "enforce_eager": args.enforce_eager, "cuda_graphs": False if args.no_cuda_graphs else None,
+                      "kv_cache_dtype": args.kv_cache_dtype}
     runners = []
     if "engine" in names:
         backends = [b.strip() for b in args.attention_backends.split(",") if b.strip()] or ["auto"]

@@ -10,6 +10,10 @@ the reference's at the same position, the reference seeing the same tokens:
 - **perplexity** exp(mean negative log-likelihood of the text's actual next tokens), for each model:
   how well it predicts real text.
 
+With `kv_cache_dtype` "int8" or "fp8" the model reads its keys and values back from a quantized paged
+pool (`attention/kv_quant.py`), every position seeing its context as a decode step would: the KV
+cache's own loss, measured the same way.
+
 The text ships with the package (`data/eval_text.txt`: an original essay of about 1,700 tokens with the
 bundled tokenizer) and is cut into independent windows, so a long text never holds (length, vocab)
 logits at once.
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..attention import AttentionMetadata, PagedAttentionStep, PagedKVCache, select_backend
 from ..model import CausalLM
 
 EVAL_TEXT = Path(__file__).with_name("data") / "eval_text.txt"
@@ -42,9 +47,29 @@ class QualityReport:
     reference_perplexity: float
 
 
+def _logprobs(model: CausalLM, inputs: list[int], kv_cache_dtype: str = "auto") -> torch.Tensor:
+    """(T, vocab) next-token log-probabilities over `inputs`; through a paged pool stored as `kv_cache_dtype`
+    unless "auto" (then one plain forward)."""
+    input_ids = torch.tensor([inputs], device=model.device)  # (1, T)
+    if kv_cache_dtype == "auto":
+        hidden = model(input_ids)
+    else:
+        block_size = 16
+        num_blocks = -(-len(inputs) // block_size)
+        cache = PagedKVCache.for_model(model.config, num_blocks, block_size, dtype=model.dtype, device=model.device,
+                                       kv_cache_dtype=kv_cache_dtype)
+        metadata = AttentionMetadata.build([list(range(num_blocks))], [0], [len(inputs)], block_size=block_size,
+                                           device=model.device)
+        step = PagedAttentionStep(cache, select_backend("auto", model.device, model.dtype), metadata)
+        hidden = model(input_ids, step, torch.arange(len(inputs), device=model.device)[None])
+    return model.compute_logits(hidden)[0].float().log_softmax(-1).cpu()
+
+
 @torch.inference_mode()
-def compare(model: CausalLM, reference: CausalLM, token_ids: list[int], window: int = 256) -> QualityReport:
-    """`model` against `reference` over `token_ids`, in independent windows of `window` tokens."""
+def compare(model: CausalLM, reference: CausalLM, token_ids: list[int], window: int = 256,
+            kv_cache_dtype: str = "auto") -> QualityReport:
+    """`model` against `reference` over `token_ids`, in independent windows of `window` tokens; `model`'s keys
+    and values stored as `kv_cache_dtype` (the reference's in full precision)."""
     if len(token_ids) < 2:
         raise ValueError("the text needs at least two tokens")
     agree = positions = 0
@@ -53,9 +78,8 @@ def compare(model: CausalLM, reference: CausalLM, token_ids: list[int], window: 
         chunk = token_ids[start : start + window + 1]  # the window and the token after it
         inputs = chunk[:-1]
         targets = torch.tensor(chunk[1:])
-        logprobs = [m.compute_logits(m(torch.tensor([inputs], device=m.device)))[0].float().log_softmax(-1).cpu()
-                    for m in (model, reference)]  # (T, vocab) each
-        test, ref = logprobs
+        test = _logprobs(model, inputs, kv_cache_dtype)  # (T, vocab)
+        ref = _logprobs(reference, inputs)
         agree += int((test.argmax(-1) == ref.argmax(-1)).sum())
         kl_sum += float((ref.exp() * (ref - test)).sum())
         nll_sum -= float(test.gather(1, targets[:, None]).sum())

@@ -123,7 +123,7 @@ class LLMEngine:
         # Unless asked for, a context longer than the whole pool is not offered.
         self.max_model_len = min(context_len, num_blocks * block_size)
         self.kv_cache = PagedKVCache.for_model(model.config, num_blocks, block_size, dtype=model.dtype,
-                                               device=model.device)
+                                               device=model.device, kv_cache_dtype=config.kv_cache_dtype)
         CPU_DEVICE.register(self)  # the emulated device's book of what live engines hold (kv_budget.py)
         self.is_shut_down = False
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
@@ -175,6 +175,8 @@ class LLMEngine:
         or says None and this device and attention backend allow it; never with enforce_eager."""
         wanted = self.config.cuda_graphs
         reason = graphs_unavailable_reason(self.model.device, self.attention_backend)
+        if reason is None and self.config.kv_cache_dtype != "auto":
+            reason = "a quantized KV cache is read through a copy of each step's blocks, chosen on the host"
         if wanted is None:
             return reason is None and not self.config.enforce_eager
         if wanted and reason is not None:
@@ -208,10 +210,11 @@ class LLMEngine:
             reserve = graph_memory_bytes(model.config, self.attention_backend, max_num_seqs=config.max_num_seqs,
                                          max_model_len=max_model_len, dtype=model.dtype) if graphs else 0
             nbytes = kv_cache_memory(model, config, max_model_len, reserve=reserve)
-        num_blocks = num_blocks_in(nbytes, model.config, config.block_size, model.dtype)
+        num_blocks = num_blocks_in(nbytes, model.config, config.block_size, model.dtype, config.kv_cache_dtype)
         if num_blocks < 1:
+            block = kv_block_bytes(model.config, config.block_size, model.dtype, config.kv_cache_dtype)
             raise ValueError(f"{nbytes} bytes of KV memory hold no block of {config.block_size} tokens "
-                             f"({kv_block_bytes(model.config, config.block_size, model.dtype)} bytes each)")
+                             f"({block} bytes each)")
         return num_blocks
 
     def shutdown(self) -> None:

@@ -92,7 +92,7 @@ CPU_DEVICE = DeviceLedger()
 def kv_cache_memory(model: CausalLM, config: EngineConfig, max_model_len: int, reserve: int = 0) -> int:
     """Bytes for the KV pool by the rule above (the config gave neither num_kv_blocks nor kv_cache_memory),
     less `reserve` bytes that something else will take later (CUDA graphs' memory pool)."""
-    block = kv_block_bytes(model.config, config.block_size, model.dtype)
+    block = kv_block_bytes(model.config, config.block_size, model.dtype, config.kv_cache_dtype)
     if model.device.type == "cuda":
         headroom = profile_kv_cache_memory(model, config, min_bytes=block + reserve) - reserve
     else:
@@ -107,7 +107,7 @@ def kv_cache_memory(model: CausalLM, config: EngineConfig, max_model_len: int, r
                 f"{config.gpu_memory_utilization}. Shut down the engines you are done with (llm.shutdown(), or "
                 f"`with LLM(...) as llm:`), or give each engine an explicit budget (kv_cache_memory, num_kv_blocks)"
             )
-    full = config.max_num_seqs * max_model_len * kv_block_bytes(model.config, 1, model.dtype)
+    full = config.max_num_seqs * max_model_len * kv_block_bytes(model.config, 1, model.dtype, config.kv_cache_dtype)
     return min(headroom, full)
 
 

@@ -1,0 +1,128 @@
+"""The quantized KV cache: round trips with their error bounds, the pool's bytes, the step's blocks
+renumbered, and every attention backend reading an int8 or fp8 pool as it reads the dequantized one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llm_runtime.attention import AttentionMetadata, PagedAttentionStep, PagedKVCache, available_backends
+from llm_runtime.attention.causal import causal_attention
+from llm_runtime.attention.kv_cache import kv_block_bytes, num_blocks_in
+from llm_runtime.attention.kv_quant import KVQuantization, compact_step
+from llm_runtime.attention.selector import backend_class
+from llm_runtime.config import ModelConfig
+
+BLOCK_SIZE = 4
+FLOAT32_BACKENDS = [name for name, reason in available_backends("cpu", torch.float32, BLOCK_SIZE).items()
+                    if reason is None]
+
+
+def test_int8_round_trip_is_within_half_a_step_of_its_scale() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, 64, generator=gen) * torch.logspace(-3, 3, 50)[:, None, None]  # (N, KV, d)
+    x[0, 0] = 0.0  # an all-zero head
+    int8 = KVQuantization.of("int8", torch.float32)
+    stored, scale = int8.quantize(x)
+    assert stored.dtype == torch.int8 and scale.dtype == torch.float16 and scale.shape == (50, 3)
+    assert stored.abs().max() <= 127 and (stored.abs().amax(-1)[1:] >= 126).all()  # the range is used
+    back = int8.dequantize(stored, scale, torch.float32)
+    # Half a step, plus what float16's rounding of the scale moves the clamped largest element.
+    assert ((back - x).abs() <= 0.5 * scale.float()[..., None] * (1 + 2**-6)).all()
+    assert back[0, 0].abs().max() == 0
+
+
+def test_fp8_round_trip_has_a_relative_error_of_one_sixteenth() -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4000, generator=gen) * 10
+    fp8 = KVQuantization.of("fp8", torch.bfloat16)
+    stored, scale = fp8.quantize(x)
+    assert stored.dtype == torch.float8_e4m3fn and scale is None
+    back = fp8.dequantize(stored, None, torch.float32)
+    normal = x.abs() >= 2**-6
+    assert ((back - x).abs()[normal] <= x.abs()[normal] * 2**-4).all()
+    assert ((back - x).abs()[~normal] <= 2**-10).all()
+    assert fp8.dequantize(*fp8.quantize(torch.tensor([1e4, -1e4])), torch.float32).tolist() == [448.0, -448.0]
+
+
+def test_a_quantized_pool_holds_four_times_the_tokens_of_a_float32_one() -> None:
+    config = ModelConfig("llama", 100, 576, 1536, 30, 9, 3, 64, 2048)  # the bundled model's shape
+    full = kv_block_bytes(config, 16, torch.float32)
+    assert full == 16 * 2 * 30 * 3 * 64 * 4
+    assert kv_block_bytes(config, 16, torch.float32, "fp8") * 4 == full
+    assert kv_block_bytes(config, 16, torch.float32, "int8") == 16 * 2 * 30 * 3 * (64 + 2)  # + a float16 scale
+    nbytes = 64 * 2**20
+    ratio = num_blocks_in(nbytes, config, 16, torch.float32, "int8") / num_blocks_in(nbytes, config, 16, torch.float32)
+    assert 3.85 < ratio < 3.9
+    cache = PagedKVCache.for_model(config, 10, 16, dtype=torch.float32, device="cpu", kv_cache_dtype="int8")
+    assert cache.nbytes == 10 * kv_block_bytes(config, 16, torch.float32, "int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        KVQuantization.of("int4", torch.float32)
+
+
+def test_write_skips_padding_and_copy_on_write_copies_the_scales() -> None:
+    cache = PagedKVCache(1, 4, 2, 1, 8, dtype=torch.float32, device="cpu", kv_cache_dtype="int8")
+    k = torch.arange(24, dtype=torch.float32).view(3, 1, 8)
+    cache.write(0, torch.tensor([1, -1, 6]), k, -k)
+    keys, values = cache.read_blocks(0, torch.arange(4))  # (4, 2, 1, 8)
+    flat = keys.view(8, 8)
+    assert torch.allclose(flat[1], k[0, 0], atol=0.03) and torch.allclose(flat[6], k[2, 0], atol=0.1)
+    assert flat[[0, 2, 3, 4, 5, 7]].abs().max() == 0  # the padded row wrote nowhere
+    cache.copy_blocks([(3, 0)])  # slot 6 -> slot 0
+    assert torch.equal(cache.read_blocks(0, torch.tensor([0]))[1].view(2, 8)[0], values.view(8, 8)[6])
+
+
+def test_compact_step_renumbers_tables_and_slots() -> None:
+    metadata = AttentionMetadata.build([[7, 3], [5], [9, 2, 8]], [5, 0, 9], [1, 2, 1], block_size=4, device="cpu")
+    compact = compact_step(metadata)
+    assert compact.blocks.tolist() == [0, 2, 3, 5, 7, 8, 9]
+    blocks = compact.blocks
+    # Every table entry and every slot names the same block after renumbering.
+    assert torch.equal(blocks[compact.metadata.block_tables.long()][:, :2], metadata.block_tables.long()[:, :2])
+    slots, new = metadata.slot_mapping, compact.metadata.slot_mapping
+    assert torch.equal(blocks[new // 4] * 4 + new % 4, slots)
+    assert compact.metadata.block_tables_host == ((4, 2), (3,), (6, 1, 5))
+
+
+def _reference(quantization: KVQuantization, query, keys, values, seq_lens, query_lens) -> torch.Tensor:
+    """Causal attention per sequence over its keys and values quantized and read back."""
+    outs, row = [], 0
+    for b, (length, count) in enumerate(zip(seq_lens, query_lens)):
+        k = quantization.dequantize(*quantization.quantize(keys[b]), torch.float32)  # (S, KV, d)
+        v = quantization.dequantize(*quantization.quantize(values[b]), torch.float32)
+        q = query[row : row + count]  # (T, H, d)
+        out = causal_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                               length - count)  # (1, H, T, d)
+        outs.append(out[0].transpose(0, 1))
+        row += count
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("backend", FLOAT32_BACKENDS)
+def test_every_backend_reads_the_quantized_pool(backend: str, kv_cache_dtype: str) -> None:
+    """A ragged step (a fresh prefill, an extend over a cached prefix, decodes at block edges) over a pool
+    whose earlier tokens were written quantized: each backend equals attention over the read-back keys."""
+    gen = torch.Generator().manual_seed(2)
+    num_heads, num_kv_heads, head_dim = 4, 2, 16
+    contexts, counts = [0, 6, 4, 7, 11], [5, 3, 1, 1, 1]
+    lengths = [c + n for c, n in zip(contexts, counts)]
+    needed = [-(-length // BLOCK_SIZE) for length in lengths]
+    order = torch.randperm(sum(needed) + 2, generator=gen).tolist()
+    tables = [order[sum(needed[:b]) : sum(needed[: b + 1])] for b in range(len(lengths))]
+    cache = PagedKVCache(1, len(order), BLOCK_SIZE, num_kv_heads, head_dim, dtype=torch.float32, device="cpu",
+                         kv_cache_dtype=kv_cache_dtype)
+    keys = [torch.randn(n, num_kv_heads, head_dim, generator=gen) * 3 for n in lengths]
+    values = [torch.randn(n, num_kv_heads, head_dim, generator=gen) for n in lengths]
+    history = AttentionMetadata.build(tables, [0] * len(lengths), contexts, block_size=BLOCK_SIZE, device="cpu")
+    cache.write(0, history.slot_mapping, torch.cat([k[:c] for k, c in zip(keys, contexts)]),
+                torch.cat([v[:c] for v, c in zip(values, contexts)]))
+    metadata = AttentionMetadata.build(tables, contexts, counts, block_size=BLOCK_SIZE, device="cpu")
+    query = torch.randn(sum(counts), num_heads, head_dim, generator=gen)
+    step = PagedAttentionStep(cache, backend_class(backend)(), metadata)
+    new_k = torch.cat([k[c:] for k, c in zip(keys, contexts)])  # (N, KV, d)
+    new_v = torch.cat([v[c:] for v, c in zip(values, contexts)])
+    out = step.attend(0, query.transpose(0, 1)[None], new_k.transpose(0, 1)[None], new_v.transpose(0, 1)[None])
+    expected = _reference(cache.quantization, query, keys, values, lengths, counts)
+    assert (out[0].transpose(0, 1) - expected).abs().max() < 1e-4
