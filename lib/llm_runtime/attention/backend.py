@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from .kv_cache import PagedKVCache
-from .kv_quant import compact_step
+from .kv_quant import QuantizedPools, compact_step
 from .metadata import AttentionMetadata
 
 
@@ -38,6 +38,9 @@ class AttentionBackend(ABC):
     # True when `forward` needs the pool's shape fixed for the engine's life (a compiled kernel): a quantized
     # pool is then read back whole each layer instead of the step's blocks alone (kv_quant.py).
     reads_whole_pool: ClassVar[bool] = False
+    # True when the backend reads an 8-bit pool where it lies (`forward_quantized`); otherwise a quantized
+    # pool reaches `forward` as a full-precision copy of the step's blocks (kv_quant.py).
+    reads_quantized_kv: ClassVar[bool] = False
 
     @classmethod
     def is_available(cls, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -90,6 +93,13 @@ class AttentionBackend(ABC):
         already stored there; a backend may read them from these arguments instead."""
 
 
+    def forward_quantized(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pools: QuantizedPools,
+                          plan: Any) -> torch.Tensor:
+        """As `forward`, over a layer's 8-bit pools as stored (only where `reads_quantized_kv`). key and value
+        (N, KV, d) are this step's, already stored, as read back (quantized and dequantized)."""
+        raise NotImplementedError(f"the {self.name} backend does not read quantized pools in place")
+
+
 class AttentionTimer(Protocol):
     attention: float  # seconds spent in attention layers so far (the engine's StepProfile)
 
@@ -111,7 +121,8 @@ class PagedAttentionStep:
         started = time.perf_counter()
         # A quantized pool is read through a small full-precision copy of the step's own blocks (kv_quant.py).
         whole_pool = cache.num_blocks if backend.reads_whole_pool else None
-        self.compact = compact_step(metadata, whole_pool) if cache.quantized else None
+        self.compact = compact_step(metadata, whole_pool) if cache.quantized and not backend.reads_quantized_kv \
+            else None
         self.plan = backend.plan(metadata if self.compact is None else self.compact.metadata)
         if timer is not None:
             timer.attention += time.perf_counter() - started
@@ -121,15 +132,20 @@ class PagedAttentionStep:
         started = time.perf_counter()
         key_pool, value_pool = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         key, value = k[0].transpose(0, 1), v[0].transpose(0, 1)  # (N, KV, d)
-        if self.compact is None:
+        query = q[0].transpose(0, 1)  # (N, H, d)
+        if not self.cache.quantized:
             self.backend.store_kv(key_pool, value_pool, self.metadata.slot_mapping, key, value)
-        else:  # quantize into the pool, attend over the step's blocks read back (and these keys as stored)
+            out = self.backend.forward(query, key, value, key_pool, value_pool, self.plan)  # (N, H, d)
+        else:  # quantize into the pool, attend over it (and over these keys as stored)
             self.cache.write(layer_idx, self.metadata.slot_mapping, key, value)
-            key_pool, value_pool = self.cache.read_blocks(layer_idx, self.compact.blocks)  # (U, bs, KV, d)
             quantization = self.cache.quantization
             key = quantization.dequantize(*quantization.quantize(key), key.dtype)
             value = quantization.dequantize(*quantization.quantize(value), value.dtype)
-        out = self.backend.forward(q[0].transpose(0, 1), key, value, key_pool, value_pool, self.plan)  # (N, H, d)
+            if self.compact is None:  # the backend reads 8 bits where they lie
+                out = self.backend.forward_quantized(query, key, value, self.cache.layer(layer_idx), self.plan)
+            else:  # the step's blocks read back: (U, block_size, KV, d) each
+                key_pool, value_pool = self.cache.read_blocks(layer_idx, self.compact.blocks)
+                out = self.backend.forward(query, key, value, key_pool, value_pool, self.plan)
         if self.timer is not None:
             self.timer.attention += time.perf_counter() - started
         return out.transpose(0, 1)[None]  # (1, H, N, d)

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from .causal import causal_attention
-from .kv_quant import SCALE_DTYPE, KVQuantization
+from .kv_quant import SCALE_DTYPE, KVQuantization, QuantizedPools
 from ..config import ModelConfig
 
 
@@ -167,6 +167,13 @@ class PagedKVCache:
             pools[layer_idx].view(-1, *x.shape[1:])[slot_mapping] = stored  # (num_blocks * block_size, KV, d)
             if scale is not None:
                 scale_pools[layer_idx].view(-1, x.shape[1])[slot_mapping] = scale  # (num_slots, KV)
+
+    def layer(self, layer_idx: int) -> QuantizedPools:
+        """A layer's pools (and scales) as stored."""
+        scaled = self.quantization.scaled
+        return QuantizedPools(self.quantization, self.keys[layer_idx], self.values[layer_idx],
+                              self.key_scales[layer_idx] if scaled else None,
+                              self.value_scales[layer_idx] if scaled else None)
 
     def read_blocks(self, layer_idx: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the given blocks (U,) in the model's dtype: (U, block_size, KV, d) each."""

@@ -80,6 +80,17 @@ class KVQuantization:
 
 
 @dataclass(frozen=True)
+class QuantizedPools:
+    """One layer's 8-bit pools as stored, for a backend that reads them in place (`reads_quantized_kv`)."""
+
+    quantization: KVQuantization
+    key_pool: torch.Tensor  # (num_blocks, block_size, KV, d) int8 or float8_e4m3fn
+    value_pool: torch.Tensor
+    key_scales: torch.Tensor | None  # (num_blocks, block_size, KV) float16 for int8; None for fp8
+    value_scales: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class CompactStep:
     """A step's metadata over its own blocks only: `blocks[i]` of the pool is block i of the small pool."""
 
