@@ -14,6 +14,8 @@ from torch import nn
 from llm_runtime import LLM, SamplingParams, generate, load_model
 from llm_runtime.model.gguf import dequantize_q4_1, gguf_linear_blocks, q4_1_blocks, q8_0_blocks
 from llm_runtime.model.bundled import find_bundled_gguf
+from llm_runtime.model.quantized_embedding import SMALL_M, Q8Embedding, Q8Head, Q8Table
+from llm_runtime.engine.kv_budget import tensor_bytes
 from llm_runtime.model.quantized_linear import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8,
                                                 is_quantized, quantize_int4, quantize_int8, quantize_linears_)
 
@@ -139,10 +141,41 @@ def test_the_native_4_bit_model_has_the_dequantized_models_logits(bundled) -> No
     reference, _ = bundled
     native, _ = load_model(None, quantization="gguf", dtype="float32")
     assert is_quantized(native) == "int4"
+    assert isinstance(native.model.embed_tokens, Q8Embedding) and native.lm_head.table is native.model.embed_tokens.table
     ids = torch.tensor([list(range(100, 140))])
     with torch.inference_mode():
-        torch.testing.assert_close(native.compute_logits(native(ids)), reference.compute_logits(reference(ids)),
+        hidden, expected = native(ids), reference(ids)
+        torch.testing.assert_close(hidden, expected, atol=2e-4, rtol=0)
+        torch.testing.assert_close(native.compute_logits(hidden), reference.compute_logits(expected),  # 40 rows
                                    atol=2e-3, rtol=0)
+        torch.testing.assert_close(native.compute_logits(hidden[0, -1:]), reference.compute_logits(expected[0, -1:]),
+                                   atol=2e-3, rtol=0)  # one row: the per-block int8 products
+
+
+def test_the_native_model_weighs_under_110_megabytes() -> None:
+    """In bfloat16: the int4 decoder layers (about 66 MB) and the Q8_0 table shared by embedding and head (30 MB)."""
+    native, _ = load_model(None, quantization="gguf")
+    assert tensor_bytes(native) < 110e6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_q8_0_table_looks_up_and_multiplies_as_its_float_weights(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (300, 64), generator=gen, dtype=torch.int8)
+    d = torch.rand(300, 2, generator=gen) / 100
+    weight = (q.view(300, 2, 32).float() * d[..., None]).view(300, 64)
+    table = Q8Table(q, d, dtype)
+    assert table.q.shape == (2, 300, 32) and table.d.dtype == dtype
+    ids = torch.tensor([[0, 299, 7], [5, 5, 1]])
+    tolerance = 0 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(Q8Embedding(table)(ids).float(), weight[ids], atol=tolerance * 1.3, rtol=0)
+    head = Q8Head(table)
+    for rows in (1, SMALL_M, SMALL_M + 1, 40):  # both paths: per-block int8 products, then tiles
+        x = torch.randn(rows, 64, generator=gen)
+        expected = x.to(dtype).float() @ weight.t()
+        assert (head(x.to(dtype)).float() - expected).abs().max() < (1e-4 if dtype == torch.float32 else 0.1)  # ~8: 1/2 ulp 0.03
+    with pytest.raises(ValueError, match="Q8_0"):
+        Q8Table(q, d[:, :1], dtype)
 
 
 def test_llm_and_the_command_line_take_a_quantization(capsys) -> None:

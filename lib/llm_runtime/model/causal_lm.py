@@ -39,11 +39,11 @@ class CausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device  # the embedding stays plain when the linears are packed
+        return self.model.norm.weight.device  # the norms stay plain when linears and embedding are quantized
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.norm.weight.dtype
 
     def forward(
         self,

@@ -11,7 +11,8 @@ one per 32 weights:
 and weight = d * q + m. That is an int4 group of 32 with scale d and zero m + 8 d in the form the int4
 kernels read (`(q - 8) * scale + zero`, `quantized_linear.py`), so `Int4Linear` runs the file's own
 values: nothing is rounded again when the scales are kept in float32 (in bfloat16 the scales round).
-A Q8_0 block is 34 bytes: d (float16), then 32 int8 values, weight = d * q.
+A Q8_0 block is 34 bytes: d (float16), then 32 int8 values, weight = d * q; the embedding stays so
+(`load_gguf_embedding_`, `quantized_embedding.py`).
 
 llama.cpp stores q and k with the rows of each head reordered for its rotary layout (pairs (i, i + d/2)
 interleaved); transformers undoes that when it reads the file, and so does `hf_row_order` here.
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from .quantized_embedding import Q8Embedding, Q8Head, Q8Table
 from .quantized_linear import Int4Linear
 
 BLOCK = 32  # weights per Q4_1 / Q8_0 block
@@ -120,3 +122,21 @@ def load_gguf_linears_(model: nn.Module, path: str | Path, *, dtype: torch.dtype
             setattr(module, group, layer)
             done.append(f"{name}.{group}")
     return done
+
+
+def load_gguf_embedding_(model: nn.Module, path: str | Path, *, dtype: torch.dtype) -> None:
+    """Replace, in place, the model's embedding (and its tied LM head) by the file's Q8_0 table as stored
+    (`quantized_embedding.py`): 8 bits a weight and a scale per 32, computing in `dtype`."""
+    from gguf import GGUFReader
+
+    if not model.config.tie_word_embeddings:
+        raise ValueError("the Q8_0 table replaces a tied embedding and head; this model's head is its own")
+    tensor = next((t for t in GGUFReader(str(path)).tensors if t.name == "token_embd.weight"), None)
+    if tensor is None or tensor.tensor_type.name != "Q8_0":
+        found = "no token_embd.weight" if tensor is None else f"token_embd.weight in {tensor.tensor_type.name}"
+        raise ValueError(f"the GGUF file has {found}; a Q8_0 embedding is needed")
+    q, d = q8_0_blocks(np.asarray(tensor.data))
+    device = next(model.parameters()).device
+    table = Q8Table(q.to(device), d.to(device), dtype)
+    model.model.embed_tokens = Q8Embedding(table)
+    model.lm_head = Q8Head(table)

@@ -19,7 +19,7 @@ from ..device import resolve_device, resolve_dtype
 from .tokenizer import Tokenizer, load_tokenizer
 from .bundled import find_bundled_gguf, prepare_bundled_model
 from .causal_lm import CausalLM
-from .gguf import load_gguf_linears_
+from .gguf import load_gguf_embedding_, load_gguf_linears_
 from .quantized_linear import QUANTIZATIONS, quantize_linears_
 from .rope import inverse_frequencies
 
@@ -44,7 +44,7 @@ def load_model(
 
     `quantization` (lesson 13): "int8" (per output channel) or "int4" (groups of `group_size` input
     columns) quantizes the linear layers at load time; "gguf" runs the bundled model's own Q4_1 blocks as
-    int4. A quantized model computes in bfloat16 unless `dtype` says float32 (the kernels' fast path)."""
+    int4 and keeps its Q8_0 embedding (tied to the head) as int8. A quantized model computes in bfloat16 unless `dtype` says float32 (the kernels' fast path)."""
     resolved_device = resolve_device(device)
     if quantization is not None:
         resolved_dtype = _quantized_dtype(quantization, dtype, resolved_device, name_or_path)
@@ -54,6 +54,7 @@ def load_model(
     model = load_checkpoint(folder, device=resolved_device, dtype=resolved_dtype)
     if quantization == "gguf":
         load_gguf_linears_(model, find_bundled_gguf(), dtype=resolved_dtype)
+        load_gguf_embedding_(model, find_bundled_gguf(), dtype=resolved_dtype)
     elif quantization is not None:
         quantize_linears_(model, quantization, group_size=group_size, dtype=resolved_dtype)
     return model, load_tokenizer(folder)

@@ -1,0 +1,93 @@
+"""The bundled GGUF's Q8_0 embedding kept as 8 bits: one table for the token lookup and the tied LM head.
+
+SmolLM2's embedding (49,152 x 576) is tied to its LM head, and the file stores it in Q8_0 blocks: per 32
+columns of a row, a scale d and 32 int8 values, weight = d * q (`gguf.py`). In bfloat16 the table takes
+56.6 MB, as much as all the 4-bit decoder layers; as stored it takes 30 MB. `Q8Table` keeps it so:
+
+- the lookup (`Q8Embedding`) gathers the rows of the step's tokens and multiplies them by their scales;
+- the head (`Q8Head`) is a product with the whole table. PyTorch's int8 kernel (`_weight_int8pack_mm`)
+  takes one scale per output row, and Q8_0 has one per block of 32 columns: so the product is a sum of
+  18 products, one per block of columns, each with that block's scales per row. At a few rows that
+  reads the table's 28 MB once (about the bfloat16 head's time here); at many rows the int8 kernel is
+  slower than bfloat16's matrix multiply, so the head turns the table back into bfloat16 a tile of
+  rows at a time and multiplies those (a few milliseconds more than a bfloat16 head, for 26 MB less).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+BLOCK = 32  # columns per Q8_0 block
+SMALL_M = 4  # at most this many rows: the per-block int8 products; more: bfloat16 tiles
+TILE_ROWS = 4096  # vocabulary rows turned back into the compute dtype at once
+
+
+class Q8Table(nn.Module):
+    """The Q8_0 table, block-major so each block of columns is one contiguous (vocab, 32) int8 matrix."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> None:
+        """q (vocab, hidden) int8, d (vocab, hidden / 32) float32: weight = d * q per block."""
+        super().__init__()
+        vocab, hidden = q.shape
+        if hidden % BLOCK or d.shape != (vocab, hidden // BLOCK):
+            raise ValueError(f"a Q8_0 table of {tuple(q.shape)} needs scales of {(vocab, hidden // BLOCK)}, "
+                             f"got {tuple(d.shape)}")
+        self.vocab_size, self.hidden_size = vocab, hidden
+        self.register_buffer("q", q.view(vocab, -1, BLOCK).transpose(0, 1).contiguous())  # (blocks, vocab, 32)
+        self.register_buffer("d", d.t().contiguous().to(dtype))  # (blocks, vocab)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.d.dtype
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` (...) of the table in the compute dtype: (..., hidden)."""
+        flat = index.reshape(-1)
+        q = self.q[:, flat].to(self.dtype) * self.d[:, flat, None]  # (blocks, n, 32)
+        return q.transpose(0, 1).reshape(*index.shape, self.hidden_size)
+
+    def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
+        """x (M, hidden) @ table^T -> (M, vocab)."""
+        x = x.to(self.dtype)
+        if x.shape[0] <= SMALL_M:
+            out = None
+            for block in range(self.q.shape[0]):  # sum over blocks of x_b @ (d_b * q_b)^T
+                part = torch._weight_int8pack_mm(x[:, block * BLOCK : (block + 1) * BLOCK].contiguous(),
+                                                 self.q[block], self.d[block])  # (M, vocab)
+                out = part if out is None else out.add_(part)
+            return out
+        out = x.new_empty(x.shape[0], self.vocab_size)
+        for start in range(0, self.vocab_size, TILE_ROWS):
+            tile = self.rows(torch.arange(start, min(start + TILE_ROWS, self.vocab_size), device=x.device))
+            out[:, start : start + tile.shape[0]] = x @ tile.t()  # (M, tile)
+        return out
+
+
+class Q8Embedding(nn.Module):
+    """Token ids (...) -> embeddings (..., hidden) from a `Q8Table`."""
+
+    def __init__(self, table: Q8Table) -> None:
+        super().__init__()
+        self.table = table
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(input_ids)
+
+    def extra_repr(self) -> str:
+        return f"{self.table.vocab_size}, {self.table.hidden_size}, Q8_0 (int8 in blocks of {BLOCK})"
+
+
+class Q8Head(nn.Module):
+    """Hidden states (..., hidden) -> logits (..., vocab) from the same `Q8Table` (a tied head)."""
+
+    def __init__(self, table: Q8Table) -> None:
+        super().__init__()
+        self.table = table
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.table.matmul_t(hidden.reshape(-1, self.table.hidden_size))  # (M, vocab)
+        return out.reshape(*hidden.shape[:-1], self.table.vocab_size)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.table.hidden_size}, out_features={self.table.vocab_size}, tied Q8_0 table"
