@@ -209,6 +209,9 @@ def test_kv_budget_from_bytes_and_cpu_default(tiny_pairs) -> None:
     default = LLMEngine(model, None, EngineConfig(max_num_seqs=4))  # small model: what 4 sequences can use
     full = 4 * model.config.max_position_embeddings * block // 16
     assert default.stats().num_total_blocks == full // block
+    # A length that is not a whole number of blocks gets its last block too (500 tokens: 32 blocks, not 31).
+    odd = LLMEngine(model, None, EngineConfig(max_num_seqs=1, max_model_len=500))
+    assert odd.stats().num_total_blocks == 32 and odd.max_model_len == 500
     with pytest.raises(ValueError, match="hold no block"):
         LLMEngine(model, None, EngineConfig(kv_cache_memory=block - 1))
 

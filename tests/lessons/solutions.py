@@ -629,6 +629,21 @@ def quantize_groups_symmetric(weight: torch.Tensor, group_size: int) -> torch.Te
     return ((groups / scale).round().clamp(-8, 7) * scale).reshape(weight.shape)
 
 
+def quantize_kv_int8(x: torch.Tensor) -> torch.Tensor:
+    scale = x.abs().amax(-1, keepdim=True) / 127  # (tokens, heads, 1)
+    return (x / scale).round().clamp(-127, 127) * scale
+
+
+def quantize_kv_int8_per_tensor(x: torch.Tensor) -> torch.Tensor:
+    scale = x.abs().max() / 127  # one scale for every token: the small ones round to 0
+    return (x / scale).round() * scale
+
+
+def quantize_kv_int8_truncated(x: torch.Tensor) -> torch.Tensor:
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    return (x / scale).trunc() * scale  # toward zero: up to a whole step off
+
+
 def read_q4_1_block(block: bytes) -> list[float]:
     d, m = np.frombuffer(block[:4], dtype=np.float16).astype(np.float32)
     packed = np.frombuffer(block[4:20], dtype=np.uint8)
@@ -673,6 +688,7 @@ SOLUTIONS: dict[str, Callable] = {
     "lesson12.fused_qkv": fused_qkv,
     "lesson13.quantize_groups": quantize_groups,
     "lesson13.read_q4_1_block": read_q4_1_block,
+    "lesson13.quantize_kv_int8": quantize_kv_int8,
 }
 
 WRONG: dict[str, list[Callable]] = {
@@ -705,4 +721,5 @@ WRONG: dict[str, list[Callable]] = {
     "lesson12.fused_qkv": [fused_qkv_split_in_thirds],
     "lesson13.quantize_groups": [quantize_groups_per_row, quantize_groups_symmetric],
     "lesson13.read_q4_1_block": [read_q4_1_block_interleaved],
+    "lesson13.quantize_kv_int8": [quantize_kv_int8_per_tensor, quantize_kv_int8_truncated],
 }

@@ -1,7 +1,7 @@
 """How many bytes the KV pool gets, when the config does not say: one rule, on CUDA and on the CPU.
 
     pool = min(device memory x gpu_memory_utilization - what the process already holds,
-               what max_num_seqs sequences of max_model_len tokens could ever use)
+               what max_num_seqs sequences of max_model_len tokens could ever use, in whole blocks)
 
 On CUDA, "already holds" is measured: the peak of a profiled forward pass over the largest step
 (weights, activations, and every tensor still alive in the process, another engine's pool
@@ -107,7 +107,8 @@ def kv_cache_memory(model: CausalLM, config: EngineConfig, max_model_len: int, r
                 f"{config.gpu_memory_utilization}. Shut down the engines you are done with (llm.shutdown(), or "
                 f"`with LLM(...) as llm:`), or give each engine an explicit budget (kv_cache_memory, num_kv_blocks)"
             )
-    full = config.max_num_seqs * max_model_len * kv_block_bytes(model.config, 1, model.dtype, config.kv_cache_dtype)
+    # Whole blocks: a sequence of max_model_len tokens holds ceil(max_model_len / block_size) of them.
+    full = config.max_num_seqs * -(-max_model_len // config.block_size) * block
     return min(headroom, full)
 
 
