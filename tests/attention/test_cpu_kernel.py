@@ -3,7 +3,8 @@
 Random pools with shuffled block tables (reading a wrong block shows), GQA groups of 1, 3, 4 and
 8, head dims 64 and 128 and one that is not a multiple of the vector width (40), block sizes 1,
 16 and 32, lengths around block and chunk edges, float32 and bfloat16, a strided query, and the
-whole mixed batch through the backend. Then the guards: bad dtypes and indices are refused before
+whole mixed batch through the backend. An 8-bit pool (int8 with scales, float8 e4m3fn) read as stored
+equals the same kernel over that pool converted to float32 beforehand, in every build. Then the guards: bad dtypes and indices are refused before
 the C code runs, and without a compiler the engine falls back to the block-wise backend.
 """
 
@@ -15,7 +16,8 @@ import torch
 from llm_runtime.attention import available_backends, select_backend
 from llm_runtime.attention import cpu_kernels
 from llm_runtime.attention.cpu_backend import CpuKernelBackend
-from llm_runtime.attention.cpu_kernels import KernelUnavailable, check_indices, paged_decode
+from llm_runtime.attention.cpu_kernels import KernelUnavailable, check_indices, paged_decode, paged_decode_quantized
+from llm_runtime.attention.kv_quant import KVQuantization, QuantizedPools
 from llm_runtime.attention.metadata import AttentionMetadata
 from llm_runtime.attention.torch_gather import TorchGatherBackend
 
@@ -231,3 +233,98 @@ def test_a_block_outside_the_pool_is_refused_before_the_c_code_runs() -> None:
     backend = CpuKernelBackend()
     with pytest.raises(ValueError, match="outside a pool of 2 blocks"):
         backend.forward(query.float(), None, None, *small_pools, backend.plan(metadata))
+
+
+def quantized_pools(pools, kv_cache_dtype: str):
+    """(key, value) float64 pools -> the 8-bit pools as stored, their scales, and the float32 pools
+    they stand for (what the kernel must read). The values span 1e-4 .. 30, so that float8's subnormals
+    and the int8 scales' range both show."""
+    quantization = KVQuantization.of(kv_cache_dtype, torch.float32)
+    stored, read_back = [], []
+    for pool in pools:
+        spread = torch.logspace(-4, 1.5, pool.shape[-1], dtype=torch.float64)  # one magnitude per element
+        data, scales = quantization.quantize((pool * spread).float())
+        stored.append((data, scales))
+        read_back.append(quantization.dequantize(data, scales, torch.float32))
+    (key_pool, key_scales), (value_pool, value_scales) = stored
+    return key_pool, value_pool, key_scales, value_scales, read_back
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_an_8bit_pool_is_read_as_stored(kv_cache_dtype, dtype, head_dim) -> None:
+    contexts = [length - 1 for length in DECODE_LENGTHS]
+    metadata, pools, query = random_step(contexts, [1] * len(contexts), 6, 2, head_dim)
+    key_pool, value_pool, key_scales, value_scales, read_back = quantized_pools(pools, kv_cache_dtype)
+    assert key_pool.element_size() == 1
+    q = query.to(dtype)
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    paged_decode_quantized(q, key_pool, value_pool, key_scales, value_scales, metadata.block_tables,
+                           metadata.seq_lens, (metadata.query_start_loc[1:] - 1).long(), out)
+    expected = torch.empty(q.shape, dtype=torch.float32)
+    paged_decode(q.float(), *read_back, metadata.block_tables, metadata.seq_lens,
+                 (metadata.query_start_loc[1:] - 1).long(), expected)
+    assert (out.float() - expected).abs().max() < TOLERANCE[dtype] * expected.abs().max()  # relative: up to 36
+
+
+@pytest.mark.parametrize("flags", [("-O3", "-mavx2", "-mfma", "-fopenmp"), ("-O3",)], ids=["avx2", "plain-c"])
+def test_the_avx2_and_plain_c_builds_read_8bit_pools_as_stored(monkeypatch, tmp_path, flags) -> None:
+    """The float8 conversion is written three times (AVX-512 by way of float16, AVX2 by bits, scalar)."""
+    contexts = [length - 1 for length in DECODE_LENGTHS]
+    metadata, pools, query = random_step(contexts, [1] * len(contexts), 6, 2, 40)
+    rows = (metadata.query_start_loc[1:] - 1).long()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "FLAG_SETS", (flags,))
+    cpu_kernels.load_library.cache_clear()
+    try:
+        for kv_cache_dtype in ("int8", "fp8"):
+            key_pool, value_pool, key_scales, value_scales, read_back = quantized_pools(pools, kv_cache_dtype)
+            out, expected = torch.empty(query.shape), torch.empty(query.shape)
+            paged_decode_quantized(query.float(), key_pool, value_pool, key_scales, value_scales,
+                                   metadata.block_tables, metadata.seq_lens, rows, out)
+            paged_decode(query.float(), *read_back, metadata.block_tables, metadata.seq_lens, rows, expected)
+            assert (out - expected).abs().max() < 1e-5 * expected.abs().max(), kv_cache_dtype
+    finally:
+        cpu_kernels.load_library.cache_clear()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_the_backend_reads_an_8bit_pool_in_place_and_long_chunks_over_a_copy_of_their_prefix(kv_cache_dtype):
+    """Decodes and short chunks through the kernel over the stored pool; the long chunks block-wise over
+    a float copy of the blocks their cached prefixes read, renumbered."""
+    contexts, queries = [0, 16, 40, 3, 21], [9, 1, 20, 1, 12]
+    backend = CpuKernelBackend()
+    backend.kernel_max_rows = 8  # the 9-, 12- and 20-row chunks are long here
+    metadata, pools, query = random_step(contexts, queries, 6, 2, 64)
+    key_pool, value_pool, key_scales, value_scales, read_back = quantized_pools(pools, kv_cache_dtype)
+    plan = backend.plan(metadata)
+    long_prefix = sorted({b for chunk in plan.prefills for blocks, _ in chunk.prefix_tiles for b in blocks.tolist()})
+    assert plan.quantized_prefills.blocks.tolist() == long_prefix  # the 20-row and 12-row chunks' prefixes
+    assert 0 < len(long_prefix) < key_pool.shape[0]  # a copy of some blocks, not of the pool
+    num_kv_heads, head_dim = key_pool.shape[2:]
+    key = read_back[0].view(-1, num_kv_heads, head_dim)[metadata.slot_mapping]  # (N, KV, d): the step's own
+    value = read_back[1].view(-1, num_kv_heads, head_dim)[metadata.slot_mapping]
+    stored = QuantizedPools(KVQuantization.of(kv_cache_dtype, torch.float32), key_pool, value_pool, key_scales,
+                            value_scales)
+    out = backend.forward_quantized(query.float(), key, value, stored, plan)
+    reference = TorchGatherBackend()
+    expected = reference.forward(query.float(), key, value, *read_back, reference.plan(metadata))
+    assert (out - expected).abs().max() < 1e-5 * expected.abs().max()
+
+
+def test_bad_8bit_pools_are_refused_before_the_c_code_runs() -> None:
+    metadata, pools, query = random_step([5, 40], [1, 1], 6, 2, 64)
+    rows, out = (metadata.query_start_loc[1:] - 1).long(), torch.empty(query.shape)
+    args = (metadata.block_tables, metadata.seq_lens, rows, out)
+    key_pool, value_pool, key_scales, value_scales, _ = quantized_pools(pools, "int8")
+    with pytest.raises(ValueError, match="needs its key and value scales"):
+        paged_decode_quantized(query.float(), key_pool, value_pool, None, None, *args)
+    with pytest.raises(ValueError, match="float16 CPU tensors"):
+        paged_decode_quantized(query.float(), key_pool, value_pool, key_scales.float(), value_scales, *args)
+    with pytest.raises(TypeError, match="quantized C kernel reads"):
+        paged_decode_quantized(query.float(), key_pool, value_pool.view(torch.uint8), key_scales, value_scales,
+                               *args)
+    fp8_key, fp8_value, *_ = quantized_pools(pools, "fp8")
+    with pytest.raises(ValueError, match="has no scales"):
+        paged_decode_quantized(query.float(), fp8_key, fp8_value, key_scales, value_scales, *args)

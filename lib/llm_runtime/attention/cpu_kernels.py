@@ -2,7 +2,9 @@
 
 PyTorch has no CPU operator that reads keys where they lie in a paged pool, so the `cpu` backend
 brings its own: `csrc/paged_decode.c` (attention, plain C with OpenMP; the file explains the
-algorithm) and `csrc/store_kv.c` (the step's keys and values into the pool). They include no
+algorithm) and `csrc/store_kv.c` (the step's keys and values into the pool). Attention reads a pool
+in the query's dtype (`paged_decode`) or an 8-bit one as stored, int8 with its float16 scales or
+float8 e4m3fn (`paged_decode_quantized`, kv_quant.py): one C function per pair of dtypes. They include no
 PyTorch header, so the system C compiler builds it in about a second the first time a
 process needs it; the shared library is cached under $XDG_CACHE_HOME/llm_runtime/kernels, keyed
 by the source, the compiler flags and the machine, and loaded with ctypes. PyTorch tensors are
@@ -40,6 +42,14 @@ FLAG_SETS = (
     ("-O3",),
 )
 KERNEL_DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+# (query dtype, pool dtype) -> the kernel that reads that 8-bit pool as stored (int8 with scales).
+QUANTIZED_KERNELS = {
+    (torch.float32, torch.int8): "paged_decode_f32_i8",
+    (torch.bfloat16, torch.int8): "paged_decode_bf16_i8",
+    (torch.float32, torch.float8_e4m3fn): "paged_decode_f32_fp8",
+    (torch.bfloat16, torch.float8_e4m3fn): "paged_decode_bf16_fp8",
+}
+SCALED_POOL_DTYPES = (torch.int8,)  # pools with a float16 scale per slot and KV head
 
 
 class KernelUnavailable(RuntimeError):
@@ -87,11 +97,12 @@ def load_library() -> ctypes.CDLL:
         error = None if target.is_file() else _compile(compiler, flags, target)
         if error is None:
             library = ctypes.CDLL(str(target))
-            for symbol in KERNEL_DTYPES.values():
+            for symbol in (*KERNEL_DTYPES.values(), *QUANTIZED_KERNELS.values()):
                 function = getattr(library, symbol)
                 function.restype = ctypes.c_int
                 function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # query, strides
                                      ctypes.c_void_p, ctypes.c_void_p,  # key_pool, value_pool
+                                     ctypes.c_void_p, ctypes.c_void_p,  # key_scales, value_scales (or NULL)
                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # tables, stride, seq_lens
                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # rows, num_seqs, out
                                      ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float]
@@ -140,6 +151,55 @@ def paged_decode(
     if dtype not in KERNEL_DTYPES or not (key_pool.dtype == value_pool.dtype == out.dtype == dtype):
         raise TypeError(f"the C kernel takes {', '.join(map(str, KERNEL_DTYPES))} throughout, "
                         f"got query {dtype}, pools {key_pool.dtype}/{value_pool.dtype}, out {out.dtype}")
+    _paged_decode(KERNEL_DTYPES[dtype], query, key_pool, value_pool, None, None, block_tables, seq_lens, rows,
+                  out, indices_checked)
+
+
+def paged_decode_quantized(
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    key_scales: torch.Tensor | None,
+    value_scales: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rows: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    indices_checked: bool = False,
+) -> None:
+    """`paged_decode` over 8-bit pools as stored (kv_quant.py), converted to float32 in the kernel's
+    registers: no full-precision copy of any block.
+
+    query and out float32 or bfloat16 (one dtype); key_pool, value_pool (num_blocks, block_size, KV, d)
+    contiguous, both int8 or both float8_e4m3fn; for int8, key_scales and value_scales (num_blocks,
+    block_size, KV) float16 contiguous (element = stored * scale), for float8 both None. The rest as
+    `paged_decode`.
+    """
+    symbol = QUANTIZED_KERNELS.get((query.dtype, key_pool.dtype))
+    if symbol is None or value_pool.dtype != key_pool.dtype or out.dtype != query.dtype:
+        pairs = ", ".join(f"{q} over {p}" for q, p in QUANTIZED_KERNELS)
+        raise TypeError(f"the quantized C kernel reads {pairs} (out in the query's dtype), got query "
+                        f"{query.dtype}, pools {key_pool.dtype}/{value_pool.dtype}, out {out.dtype}")
+    if key_pool.dtype in SCALED_POOL_DTYPES:
+        if key_scales is None or value_scales is None:
+            raise ValueError(f"a {key_pool.dtype} pool needs its key and value scales")
+        for scales in (key_scales, value_scales):
+            if scales.dtype != torch.float16 or scales.shape != key_pool.shape[:3] or not scales.is_contiguous() \
+                    or scales.device.type != "cpu":
+                raise ValueError(f"scales must be float16 CPU tensors of shape {tuple(key_pool.shape[:3])}, "
+                                 f"contiguous; got {scales.dtype} {tuple(scales.shape)} on {scales.device}")
+    elif key_scales is not None or value_scales is not None:
+        raise ValueError(f"a {key_pool.dtype} pool has no scales")
+    _paged_decode(symbol, query, key_pool, value_pool, key_scales, value_scales, block_tables, seq_lens, rows,
+                  out, indices_checked)
+
+
+def _paged_decode(symbol: str, query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                  key_scales: torch.Tensor | None, value_scales: torch.Tensor | None, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, indices_checked: bool) -> None:
+    """The checks every variant shares (devices, layouts, shapes, indices), then the C call `symbol`
+    (dtypes and scales already checked by the caller)."""
     tensors = (query, key_pool, value_pool, block_tables, seq_lens, rows, out)
     if any(t.device.type != "cpu" for t in tensors):
         raise ValueError("the C kernel runs on CPU tensors only")
@@ -163,9 +223,11 @@ def paged_decode(
     if not indices_checked:
         check_indices(block_tables, seq_lens, rows, num_rows=query.shape[0], num_blocks=key_pool.shape[0],
                       block_size=block_size)
-    function = getattr(load_library(), KERNEL_DTYPES[dtype])
+    function = getattr(load_library(), symbol)
     status = function(query.data_ptr(), query.stride(0), query.stride(1), key_pool.data_ptr(),
-                      value_pool.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+                      value_pool.data_ptr(), None if key_scales is None else key_scales.data_ptr(),
+                      None if value_scales is None else value_scales.data_ptr(),
+                      block_tables.data_ptr(), block_tables.stride(0),
                       seq_lens.data_ptr(), rows.data_ptr(), num_seqs, out.data_ptr(),
                       num_heads, num_kv_heads, head_dim, block_size, head_dim ** -0.5)
     if status != 0:

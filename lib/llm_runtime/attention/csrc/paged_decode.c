@@ -8,22 +8,36 @@
  * every query head, so a decode reads each key and value from memory once per step and layer.
  * Nothing is copied out of the pool and no mask is built.
  *
- * Exported: paged_decode_f32 and paged_decode_bf16 (the body is paged_decode_body.h, included once
- * per element type). Each returns 0, or 1 for shapes it does not handle.
+ * Exported, one per pair of (query and output type, pool element type), the body being
+ * paged_decode_body.h included once per pair:
+ *   paged_decode_f32, paged_decode_bf16          a pool in the query's own type
+ *   paged_decode_f32_i8, paged_decode_bf16_i8    an int8 pool, with a float16 scale per slot and KV head
+ *   paged_decode_f32_fp8, paged_decode_bf16_fp8  a float8 e4m3fn pool, without scales
+ * Each returns 0, or 1 for shapes it does not handle.
+ *
+ * 8-bit pools (kv_quant.py) are read as stored too: an element stands for q * s, with q the stored
+ * int8 and s the scale of its slot and KV head, or for the float8 number itself (s = 1). Elements
+ * become float32 in registers, 16 at a time, as the dot products and the value sums load them.
+ * The scale is the same across a key's head_dim elements, so it comes out of the sums:
+ *   score  = query . (k s)    = (query . k) * s_key       once per key, after its dot product
+ *   output += p * (v s)       = (p * s_value) * v         once per value, on its softmax weight p
+ * while the softmax's running sum adds the weights p themselves.
  *
  * Layouts (all row-major, element strides):
  *   query      (N, H, d)  rows `rows[b]` are the decodes; q_row_stride / q_head_stride given, d contiguous
  *   key_pool   (num_blocks, block_size, KV, d) contiguous; value_pool the same
+ *   key_scales (num_blocks, block_size, KV) float16 (as raw bits), contiguous; value_scales the same;
+ *              both NULL for a pool without scales
  *   block_tables (B, table_stride) int32; seq_lens (B,) int32; rows (B,) int64
  *   out        (N, H, d) contiguous; only the decode rows are written
  *
  * Per chunk the body calls three steps, each defined below once for AVX-512 (this package's CI
- * machine) and once in portable C (AVX2 dot products where the compiler has them):
+ * machine) and once in portable C (AVX2 dot products where the compiler has them), per pool type:
  *   CHUNK_SCORES   the chunk's scores q . k for one query head
  *   chunk_softmax  the online-softmax update of one head from those scores
  *   AXPY_CHUNK     the weighted sum of the chunk's values added to one head's numerator
  *
- * Python loads this file with ctypes (cpu_kernel.py): no PyTorch headers, so it compiles in a
+ * Python loads this file with ctypes (cpu_kernels.py): no PyTorch headers, so it compiles in a
  * second. OpenMP here is the same libgomp PyTorch already loaded, so the threads are PyTorch's.
  */
 #include <float.h>
@@ -57,7 +71,12 @@ static inline float exp_nonpositive(float x) {
     return p * scale.f;
 }
 
-static inline float bf16_to_float(uint16_t x) {
+/* ---------------------------------------------------------------- one element to float, by its bits
+ * float32 is 1 sign bit, 8 exponent bits (bias 127) and 23 mantissa bits: value = 2^(e - 127) * 1.m.
+ * The narrower formats below have the same shape with fewer bits, so converting a normal number
+ * moves its exponent to float's bias and its mantissa to float's top mantissa bits. */
+
+static inline float bf16_to_float(uint16_t x) {  /* bfloat16 is the top half of a float */
     union { uint32_t u; float f; } v;
     v.u = (uint32_t)x << 16;
     return v.f;
@@ -70,6 +89,33 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as PyT
     v.u += 0x7fffu + ((v.u >> 16) & 1u);
     return (uint16_t)(v.u >> 16);
 }
+
+/* float16: 1 sign bit, 5 exponent bits (bias 15), 10 mantissa bits; exponent 0 is subnormal,
+ * m * 2^-24 (the int8 pool's smallest scale is one), 31 infinity or NaN. Used for the int8 pool's
+ * scales, once per key and value. */
+static inline float fp16_to_float(uint16_t x) {
+    const uint32_t sign = (uint32_t)(x & 0x8000u) << 16, exponent = (x >> 10) & 0x1fu, mantissa = x & 0x3ffu;
+    union { uint32_t u; float f; } v;
+    if (exponent == 0) v.f = (float)mantissa * 0x1p-24f;
+    else if (exponent == 31) v.u = 0x7f800000u | mantissa << 13;
+    else v.u = (exponent + 127 - 15) << 23 | mantissa << 13;
+    v.u |= sign;
+    return v.f;
+}
+
+/* float8 e4m3fn: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal,
+ * m * 2^-9. (0x7f and 0xff are NaN; the pool never holds them: quantization clamps to +-448.) */
+static inline float fp8_to_float(uint8_t x) {
+    const uint32_t sign = (uint32_t)(x & 0x80u) << 24, exponent = (x >> 3) & 0xfu, mantissa = x & 0x7u;
+    union { uint32_t u; float f; } v;
+    if (exponent == 0) v.f = (float)mantissa * 0x1p-9f;
+    else v.u = (exponent + 127 - 7) << 23 | mantissa << 20;
+    v.u |= sign;
+    return v.f;
+}
+
+static inline float int8_to_float(int8_t x) { return (float)x; }  /* the scale is applied per key */
+static inline float f32_to_float(float x) { return x; }
 
 /* slots[t] for positions first .. first + n - 1 of a sequence: pool slot = block * block_size + offset. */
 static inline void slots_of(int64_t *slots, const int32_t *table, int block_size, int first, int n) {
@@ -88,29 +134,45 @@ static inline void prefetch_bytes(const void *start, int64_t bytes) {
 /* q . k over d elements, q in float and k in the pool's type. A single running sum would chain
  * every addition, and GCC reduces an `omp simd` sum through memory one lane at a time (about 60
  * cycles a dot, which made this kernel compute-bound): so 16 lanes with AVX-512 or 8 with AVX2,
- * then one horizontal sum; plain C elsewhere. */
+ * then one horizontal sum; plain C elsewhere. Each vector path loads a pool type into floats
+ * with one LOAD16 (or LOAD8) function per type, and finishes a d that is not a multiple of the
+ * vector with the scalar conversion above (LOAD1). */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 _Static_assert(CHUNK == 16, "the AVX-512 steps hold one chunk's scores in one vector");
-static inline float dot_f32(const float *q, const float *k, int d) {
-    __m512 sum = _mm512_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= d; i += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), sum);
-    float total = _mm512_reduce_add_ps(sum);
-    for (; i < d; i++) total += q[i] * k[i];
-    return total;
+static inline __m512 load16_f32(const float *x) { return _mm512_loadu_ps(x); }
+static inline __m512 load16_bf16(const uint16_t *x) {  /* widen to 32 bits, shift left 16 */
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
-static inline float dot_bf16(const float *q, const uint16_t *k, int d) {
-    __m512 sum = _mm512_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= d; i += 16) {  /* bfloat16 is the top half of a float: widen, shift left 16 */
-        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(k + i)));
-        sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)), sum);
-    }
-    float total = _mm512_reduce_add_ps(sum);
-    for (; i < d; i++) total += q[i] * bf16_to_float(k[i]);
-    return total;
+static inline __m512 load16_i8(const int8_t *x) {  /* sign-extend to 32 bits, convert */
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)x)));
 }
+/* 16 float8 e4m3fn by way of float16, which the hardware converts (vcvtph2ps, subnormals included):
+ * e4m3's sign goes to float16's bit 15 and its exponent and mantissa to bits 13..7, which makes the
+ * float16 number 2^(7 - 15) times the e4m3 one (the exponent biases differ by 8). Sign-extending the
+ * byte to 16 bits and shifting it left 7 puts everything in place but for a copy of the sign in
+ * bit 14, which the mask clears. */
+static inline __m512 load16_fp8(const uint8_t *x) {
+    const __m256i wide = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x)), 7);
+    const __m256i half = _mm256_and_si256(wide, _mm256_set1_epi16((short)0xbf80));
+    return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
+}
+
+#define DEFINE_DOT_AVX512(NAME, T, LOAD16, LOAD1)                                                     \
+static inline float NAME(const float *q, const T *k, int d) {                                          \
+    __m512 sum = _mm512_setzero_ps();                                                                  \
+    int i = 0;                                                                                         \
+    for (; i + 16 <= d; i += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), LOAD16(k + i), sum);    \
+    float total = _mm512_reduce_add_ps(sum);                                                           \
+    for (; i < d; i++) total += q[i] * LOAD1(k[i]);                                                    \
+    return total;                                                                                      \
+}
+DEFINE_DOT_AVX512(dot_f32, float, load16_f32, f32_to_float)
+DEFINE_DOT_AVX512(dot_bf16, uint16_t, load16_bf16, bf16_to_float)
+DEFINE_DOT_AVX512(dot_i8, int8_t, load16_i8, int8_to_float)
+DEFINE_DOT_AVX512(dot_fp8, uint8_t, load16_fp8, fp8_to_float)
+
 /* a += sum over t < n of p[t] * rows[t], 64 elements (four vectors, four independent chains) at a
  * time, so the accumulators stay in registers for the whole chunk instead of a load and a store
  * per key. */
@@ -137,11 +199,6 @@ static inline void NAME(float *a, const float *p, const T *const *rows, int n, i
     }                                                                                                  \
     for (; i < d; i++)                                                                                 \
         for (int t = 0; t < n; t++) a[i] += p[t] * LOAD1(rows[t][i]);                                  \
-}
-static inline __m512 load16_f32(const float *x) { return _mm512_loadu_ps(x); }
-static inline __m512 load16_bf16(const uint16_t *x) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
 /* Lane t of the result is the sum of the 16 lanes of v[t]: a transpose-and-add in four rounds,
@@ -180,6 +237,8 @@ static inline void NAME(float *s, const float *q, const T *const *keys, int n, i
 }
 DEFINE_CHUNK_SCORES_AVX512(chunk_scores_f32, float, load16_f32, dot_f32)
 DEFINE_CHUNK_SCORES_AVX512(chunk_scores_bf16, uint16_t, load16_bf16, dot_bf16)
+DEFINE_CHUNK_SCORES_AVX512(chunk_scores_i8, int8_t, load16_i8, dot_i8)
+DEFINE_CHUNK_SCORES_AVX512(chunk_scores_fp8, uint8_t, load16_fp8, dot_fp8)
 
 /* exp_nonpositive on 16 lanes: the same steps, with 2^n applied by scalef. */
 static inline __m512 exp_nonpositive16(__m512 x) {
@@ -211,9 +270,10 @@ static inline float chunk_softmax(float *s, int n, float *running_max, float *ru
     *running_max = chunk_max;
     return correction;
 }
-#define IDENTITY(x) (x)
-DEFINE_AXPY_CHUNK_AVX512(axpy_chunk_f32, float, load16_f32, IDENTITY)
+DEFINE_AXPY_CHUNK_AVX512(axpy_chunk_f32, float, load16_f32, f32_to_float)
 DEFINE_AXPY_CHUNK_AVX512(axpy_chunk_bf16, uint16_t, load16_bf16, bf16_to_float)
+DEFINE_AXPY_CHUNK_AVX512(axpy_chunk_i8, int8_t, load16_i8, int8_to_float)
+DEFINE_AXPY_CHUNK_AVX512(axpy_chunk_fp8, uint8_t, load16_fp8, fp8_to_float)
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 static inline float sum8(__m256 v) {
@@ -222,51 +282,63 @@ static inline float sum8(__m256 v) {
     x = _mm_add_ss(x, _mm_movehdup_ps(x));
     return _mm_cvtss_f32(x);
 }
-static inline float dot_f32(const float *q, const float *k, int d) {
-    __m256 sum = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= d; i += 8) sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), sum);
-    float total = sum8(sum);
-    for (; i < d; i++) total += q[i] * k[i];
-    return total;
+static inline __m256 load8_f32(const float *x) { return _mm256_loadu_ps(x); }
+static inline __m256 load8_bf16(const uint16_t *x) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)x));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
-static inline float dot_bf16(const float *q, const uint16_t *k, int d) {
-    __m256 sum = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= d; i += 8) {
-        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(k + i)));
-        sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)), sum);
-    }
-    float total = sum8(sum);
-    for (; i < d; i++) total += q[i] * bf16_to_float(k[i]);
-    return total;
+static inline __m256 load8_i8(const int8_t *x) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)x)));
 }
+static inline __m256 load8_fp8(const uint8_t *x) {  /* as load16_fp8 in the AVX-512 path */
+    const __m256i bits = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)x));
+    const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7f));
+    const __m256i sign = _mm256_slli_epi32(_mm256_andnot_si256(magnitude, bits), 24);
+    const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(magnitude, 20),
+                                                               _mm256_set1_epi32((127 - 7) << 23)));
+    const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(0x1p-9f));
+    const __m256 is_subnormal = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), magnitude));
+    const __m256 absolute = _mm256_blendv_ps(normal, subnormal, is_subnormal);
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(absolute), sign));
+}
+#define DEFINE_DOT_AVX2(NAME, T, LOAD8, LOAD1)                                                        \
+static inline float NAME(const float *q, const T *k, int d) {                                          \
+    __m256 sum = _mm256_setzero_ps();                                                                  \
+    int i = 0;                                                                                         \
+    for (; i + 8 <= d; i += 8) sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), LOAD8(k + i), sum);       \
+    float total = sum8(sum);                                                                           \
+    for (; i < d; i++) total += q[i] * LOAD1(k[i]);                                                    \
+    return total;                                                                                      \
+}
+DEFINE_DOT_AVX2(dot_f32, float, load8_f32, f32_to_float)
+DEFINE_DOT_AVX2(dot_bf16, uint16_t, load8_bf16, bf16_to_float)
+DEFINE_DOT_AVX2(dot_i8, int8_t, load8_i8, int8_to_float)
+DEFINE_DOT_AVX2(dot_fp8, uint8_t, load8_fp8, fp8_to_float)
 #else
-static inline float dot_f32(const float *q, const float *k, int d) {
-    float part[8] = {0.0f};
-    int i = 0;
-    for (; i + 8 <= d; i += 8)
-        for (int j = 0; j < 8; j++) part[j] += q[i + j] * k[i + j];
-    for (; i < d; i++) part[0] += q[i] * k[i];
-    return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+#define DEFINE_DOT_PORTABLE(NAME, T, LOAD1)                                                           \
+static inline float NAME(const float *q, const T *k, int d) {                                          \
+    float part[8] = {0.0f};                                                                            \
+    int i = 0;                                                                                         \
+    for (; i + 8 <= d; i += 8)                                                                         \
+        for (int j = 0; j < 8; j++) part[j] += q[i + j] * LOAD1(k[i + j]);                             \
+    for (; i < d; i++) part[0] += q[i] * LOAD1(k[i]);                                                  \
+    return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));  \
 }
-static inline float dot_bf16(const float *q, const uint16_t *k, int d) {
-    float part[8] = {0.0f};
-    int i = 0;
-    for (; i + 8 <= d; i += 8)
-        for (int j = 0; j < 8; j++) part[j] += q[i + j] * bf16_to_float(k[i + j]);
-    for (; i < d; i++) part[0] += q[i] * bf16_to_float(k[i]);
-    return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
-}
+DEFINE_DOT_PORTABLE(dot_f32, float, f32_to_float)
+DEFINE_DOT_PORTABLE(dot_bf16, uint16_t, bf16_to_float)
+DEFINE_DOT_PORTABLE(dot_i8, int8_t, int8_to_float)
+DEFINE_DOT_PORTABLE(dot_fp8, uint8_t, fp8_to_float)
 #endif
 
 #if !defined(__AVX512F__)
-static inline void chunk_scores_f32(float *s, const float *q, const float *const *keys, int n, int d) {
-    for (int t = 0; t < n; t++) s[t] = dot_f32(q, keys[t], d);
+#define DEFINE_CHUNK_SCORES(NAME, T, DOT)                                                             \
+static inline void NAME(float *s, const float *q, const T *const *keys, int n, int d) {                \
+    for (int t = 0; t < n; t++) s[t] = DOT(q, keys[t], d);                                             \
 }
-static inline void chunk_scores_bf16(float *s, const float *q, const uint16_t *const *keys, int n, int d) {
-    for (int t = 0; t < n; t++) s[t] = dot_bf16(q, keys[t], d);
-}
+DEFINE_CHUNK_SCORES(chunk_scores_f32, float, dot_f32)
+DEFINE_CHUNK_SCORES(chunk_scores_bf16, uint16_t, dot_bf16)
+DEFINE_CHUNK_SCORES(chunk_scores_i8, int8_t, dot_i8)
+DEFINE_CHUNK_SCORES(chunk_scores_fp8, uint8_t, dot_fp8)
 static inline float chunk_softmax(float *s, int n, float *running_max, float *running_sum) {
     float chunk_max = *running_max;
     for (int t = 0; t < n; t++) chunk_max = s[t] > chunk_max ? s[t] : chunk_max;
@@ -279,34 +351,86 @@ static inline float chunk_softmax(float *s, int n, float *running_max, float *ru
     return correction;
 }
 /* a += sum over t < n of p[t] * rows[t]; the compiler vectorizes the inner loop. */
-static inline void axpy_chunk_f32(float *a, const float *p, const float *const *rows, int n, int d) {
-    for (int t = 0; t < n; t++)
-        for (int i = 0; i < d; i++) a[i] += p[t] * rows[t][i];
+#define DEFINE_AXPY_CHUNK(NAME, T, LOAD1)                                                             \
+static inline void NAME(float *a, const float *p, const T *const *rows, int n, int d) {                \
+    for (int t = 0; t < n; t++)                                                                        \
+        for (int i = 0; i < d; i++) a[i] += p[t] * LOAD1(rows[t][i]);                                  \
 }
-static inline void axpy_chunk_bf16(float *a, const float *p, const uint16_t *const *rows, int n, int d) {
-    for (int t = 0; t < n; t++)
-        for (int i = 0; i < d; i++) a[i] += p[t] * bf16_to_float(rows[t][i]);
-}
+DEFINE_AXPY_CHUNK(axpy_chunk_f32, float, f32_to_float)
+DEFINE_AXPY_CHUNK(axpy_chunk_bf16, uint16_t, bf16_to_float)
+DEFINE_AXPY_CHUNK(axpy_chunk_i8, int8_t, int8_to_float)
+DEFINE_AXPY_CHUNK(axpy_chunk_fp8, uint8_t, fp8_to_float)
 #endif
 
+/* ---------------------------------------------------------------- the exported kernels
+ * For each: NAME, Q (the query's and the output's type) with LOAD_Q / STORE_Q (one element to and
+ * from float), P (the pool's element type) with its CHUNK_SCORES and AXPY_CHUNK. */
+#define LOAD_Q_f32(x) (x)
+#define STORE_Q_f32(x) (x)
+#define LOAD_Q_bf16(x) bf16_to_float(x)
+#define STORE_Q_bf16(x) float_to_bf16(x)
+
 #define NAME paged_decode_f32
-#define T float
-#define LOAD(x) (x)
-#define STORE(x) (x)
+#define Q float
+#define LOAD_Q LOAD_Q_f32
+#define STORE_Q STORE_Q_f32
+#define P float
 #define CHUNK_SCORES chunk_scores_f32
 #define AXPY_CHUNK axpy_chunk_f32
 #include "paged_decode_body.h"
 #undef NAME
-#undef T
-#undef LOAD
-#undef STORE
+#undef P
+#undef CHUNK_SCORES
+#undef AXPY_CHUNK
+
+#define NAME paged_decode_f32_i8
+#define P int8_t
+#define CHUNK_SCORES chunk_scores_i8
+#define AXPY_CHUNK axpy_chunk_i8
+#include "paged_decode_body.h"
+#undef NAME
+#undef P
+#undef CHUNK_SCORES
+#undef AXPY_CHUNK
+
+#define NAME paged_decode_f32_fp8
+#define P uint8_t
+#define CHUNK_SCORES chunk_scores_fp8
+#define AXPY_CHUNK axpy_chunk_fp8
+#include "paged_decode_body.h"
+#undef NAME
+#undef Q
+#undef LOAD_Q
+#undef STORE_Q
+#undef P
 #undef CHUNK_SCORES
 #undef AXPY_CHUNK
 
 #define NAME paged_decode_bf16
-#define T uint16_t
-#define LOAD(x) bf16_to_float(x)
-#define STORE(x) float_to_bf16(x)
+#define Q uint16_t
+#define LOAD_Q LOAD_Q_bf16
+#define STORE_Q STORE_Q_bf16
+#define P uint16_t
 #define CHUNK_SCORES chunk_scores_bf16
 #define AXPY_CHUNK axpy_chunk_bf16
+#include "paged_decode_body.h"
+#undef NAME
+#undef P
+#undef CHUNK_SCORES
+#undef AXPY_CHUNK
+
+#define NAME paged_decode_bf16_i8
+#define P int8_t
+#define CHUNK_SCORES chunk_scores_i8
+#define AXPY_CHUNK axpy_chunk_i8
+#include "paged_decode_body.h"
+#undef NAME
+#undef P
+#undef CHUNK_SCORES
+#undef AXPY_CHUNK
+
+#define NAME paged_decode_bf16_fp8
+#define P uint8_t
+#define CHUNK_SCORES chunk_scores_fp8
+#define AXPY_CHUNK axpy_chunk_fp8
 #include "paged_decode_body.h"

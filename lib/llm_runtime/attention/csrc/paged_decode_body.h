@@ -1,8 +1,9 @@
 /*
- * The kernel's body, included once per element type by paged_decode.c with these macros set:
- * NAME (the exported function), T (the storage type), LOAD / STORE (one element to and from
- * float), CHUNK_SCORES (one head's scores for a chunk of keys of T) and AXPY_CHUNK (a float row
- * plus the weighted sum of a chunk of rows of T). Accumulation is always float32.
+ * The kernel's body, included once per pair of types by paged_decode.c with these macros set:
+ * NAME (the exported function), Q (the query's and the output's type) with LOAD_Q / STORE_Q (one
+ * element to and from float), P (the pool's element type), CHUNK_SCORES (one head's scores for a
+ * chunk of keys of P) and AXPY_CHUNK (a float row plus the weighted sum of a chunk of rows of P).
+ * Accumulation is always float32.
  *
  * One work item per query row b. It walks the row's block table CHUNK keys at a time. For every
  * chunk and KV head g, it computes the scores of the query heads that share g, then updates their
@@ -11,18 +12,24 @@
  * cannot know where the next chunk is; while head g of this chunk is computed, head g's keys and
  * values of the chunk PREFETCH_AHEAD on are requested, a few lines at a time, so that the requests
  * overlap the arithmetic instead of stalling it in one burst.
+ *
+ * With scales (an int8 pool: key_scales and value_scales not NULL), each key's score is multiplied
+ * by its key's scale once its dot product is done, and each weight p by its value's scale once the
+ * running sum has taken p (paged_decode.c explains why that is the same as scaling every element).
  */
-int NAME(const T *query, int64_t q_row_stride, int64_t q_head_stride,
-         const T *key_pool, const T *value_pool,
+int NAME(const Q *query, int64_t q_row_stride, int64_t q_head_stride,
+         const P *key_pool, const P *value_pool, const uint16_t *key_scales, const uint16_t *value_scales,
          const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
-         const int64_t *rows, int64_t num_seqs, T *out,
+         const int64_t *rows, int64_t num_seqs, Q *out,
          int num_heads, int num_kv_heads, int head_dim, int block_size, float scale) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || block_size <= 0
-        || (int64_t)num_heads * head_dim > MAX_STATE || num_heads > MAX_HEADS)
+        || (int64_t)num_heads * head_dim > MAX_STATE || num_heads > MAX_HEADS
+        || (key_scales == NULL) != (value_scales == NULL))
         return 1;
     const int group = num_heads / num_kv_heads;
+    const int scaled = key_scales != NULL;
     const int64_t slot_stride = (int64_t)num_kv_heads * head_dim;  /* one pool slot: every KV head */
-    const int64_t head_bytes = head_dim * (int64_t)sizeof(T);  /* one KV head of one slot */
+    const int64_t head_bytes = head_dim * (int64_t)sizeof(P);  /* one KV head of one slot */
 
     #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t b = 0; b < num_seqs; b++) {
@@ -33,8 +40,8 @@ int NAME(const T *query, int64_t q_row_stride, int64_t q_head_stride,
         float running_max[MAX_HEADS], running_sum[MAX_HEADS], scores[MAX_HEADS][CHUNK];
 
         for (int h = 0; h < num_heads; h++) {
-            const T *src = query + rows[b] * q_row_stride + (int64_t)h * q_head_stride;
-            for (int i = 0; i < head_dim; i++) q[h * head_dim + i] = LOAD(src[i]) * scale;
+            const Q *src = query + rows[b] * q_row_stride + (int64_t)h * q_head_stride;
+            for (int i = 0; i < head_dim; i++) q[h * head_dim + i] = LOAD_Q(src[i]) * scale;
             memset(acc + h * head_dim, 0, sizeof(float) * head_dim);
             running_max[h] = -FLT_MAX;
             running_sum[h] = 0.0f;
@@ -48,22 +55,40 @@ int NAME(const T *query, int64_t q_row_stride, int64_t q_head_stride,
             int64_t slots[CHUNK], ahead_slots[CHUNK];
             slots_of(slots, table, block_size, first, n);
             slots_of(ahead_slots, table, block_size, ahead, n_ahead);
+            if (scaled)  /* the scales of the chunk ahead, every KV head's at once: a line holds several slots' */
+                for (int t = 0; t < n_ahead; t++) {
+                    __builtin_prefetch(key_scales + ahead_slots[t] * num_kv_heads, 0, 2);
+                    __builtin_prefetch(value_scales + ahead_slots[t] * num_kv_heads, 0, 2);
+                }
             for (int g = 0; g < num_kv_heads; g++) {
                 const int h0 = g * group;  /* query heads h0 .. h0 + group - 1 share KV head g */
-                const T *keys[CHUNK], *values[CHUNK];  /* past the chunk's end: its last row again */
+                const P *keys[CHUNK], *values[CHUNK];  /* past the chunk's end: its last row again */
                 for (int t = 0; t < CHUNK; t++) {
                     const int64_t offset = slots[t < n ? t : n - 1] * slot_stride + (int64_t)g * head_dim;
                     keys[t] = key_pool + offset;
                     values[t] = value_pool + offset;
                 }
-                /* 1. Scores of this chunk, s = q . k, for each head of the group. */
+                float key_scale[CHUNK], value_scale[CHUNK];  /* with scales: each key's and value's */
+                if (scaled)
+                    for (int t = 0; t < n; t++) {
+                        key_scale[t] = fp16_to_float(key_scales[slots[t] * num_kv_heads + g]);
+                        value_scale[t] = fp16_to_float(value_scales[slots[t] * num_kv_heads + g]);
+                    }
+                /* 1. Scores of this chunk, s = q . k (times the key's scale), for each head of the group. */
                 for (int t = 0; t < n_ahead; t++)
                     prefetch_bytes(key_pool + ahead_slots[t] * slot_stride + (int64_t)g * head_dim, head_bytes);
-                for (int h = h0; h < h0 + group; h++) CHUNK_SCORES(scores[h], q + h * head_dim, keys, n, head_dim);
+                for (int h = h0; h < h0 + group; h++) {
+                    CHUNK_SCORES(scores[h], q + h * head_dim, keys, n, head_dim);
+                    if (scaled)
+                        for (int t = 0; t < n; t++) scores[h][t] *= key_scale[t];
+                }
                 /* 2. The online softmax: a new running maximum, what was summed under the old one
-                      rescaled, and this chunk's weights p = exp(s - max) added to the running sum. */
+                      rescaled, and this chunk's weights p = exp(s - max) added to the running sum
+                      (then, with scales, each weight times its value's scale, for step 3 alone). */
                 for (int h = h0; h < h0 + group; h++) {
                     const float correction = chunk_softmax(scores[h], n, &running_max[h], &running_sum[h]);
+                    if (scaled)
+                        for (int t = 0; t < n; t++) scores[h][t] *= value_scale[t];
                     float *a = acc + h * head_dim;
                     #pragma omp simd
                     for (int i = 0; i < head_dim; i++) a[i] *= correction;
@@ -76,9 +101,9 @@ int NAME(const T *query, int64_t q_row_stride, int64_t q_head_stride,
         }
 
         for (int h = 0; h < num_heads; h++) {  /* out = numerator / denominator */
-            T *dst = out + (rows[b] * num_heads + h) * (int64_t)head_dim;
+            Q *dst = out + (rows[b] * num_heads + h) * (int64_t)head_dim;
             const float inverse = running_sum[h] > 0.0f ? 1.0f / running_sum[h] : 0.0f;
-            for (int i = 0; i < head_dim; i++) dst[i] = STORE(acc[h * head_dim + i] * inverse);
+            for (int i = 0; i < head_dim; i++) dst[i] = STORE_Q(acc[h * head_dim + i] * inverse);
         }
     }
     return 0;
