@@ -4,10 +4,8 @@ PyTorch has no CPU operator that reads keys where they lie in a paged pool, so t
 brings its own: `csrc/paged_decode.c` (attention, plain C with OpenMP; the file explains the
 algorithm) and `csrc/store_kv.c` (the step's keys and values into the pool). Attention reads a pool
 in the query's dtype (`paged_decode`) or an 8-bit one as stored, int8 with its float16 scales or
-float8 e4m3fn (`paged_decode_quantized`, kv_quant.py): one C function per pair of dtypes. They include no
-PyTorch header, so the system C compiler builds it in about a second the first time a
-process needs it; the shared library is cached under $XDG_CACHE_HOME/llm_runtime/kernels, keyed
-by the source, the compiler flags and the machine, and loaded with ctypes. PyTorch tensors are
+float8 e4m3fn (`paged_decode_quantized`, kv_quant.py): one C function per pair of dtypes. The
+library is built on first use and cached (`native.py`), and loaded with ctypes. PyTorch tensors are
 passed as raw pointers, so the wrapper checks every dtype, layout and shape the C code assumes.
 
 Without a working C compiler (or on a platform where none of the flag sets below builds),
@@ -19,28 +17,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from ..model.bundled import default_cache_dir
+from ..native import FLAG_SETS, KernelUnavailable, build_library  # noqa: F401 (tests set FLAG_SETS here)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("paged_decode.c", "paged_decode_body.h", "store_kv.c")
 COMPILED = ("paged_decode.c", "store_kv.c")  # one library from these
-# Tried in order: the fastest build this compiler accepts. -march=native lets it use the machine's
-# widest vectors (AVX-512 here); -fopenmp uses the libgomp PyTorch already loaded, so both share threads.
-FLAG_SETS = (
-    ("-O3", "-march=native", "-fopenmp"),
-    ("-O3", "-fopenmp"),
-    ("-O3",),
-)
 KERNEL_DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 # (query dtype, pool dtype) -> the kernel that reads that 8-bit pool as stored (int8 with scales).
 QUANTIZED_KERNELS = {
@@ -52,69 +37,26 @@ QUANTIZED_KERNELS = {
 SCALED_POOL_DTYPES = (torch.int8,)  # pools with a float16 scale per slot and KV head
 
 
-class KernelUnavailable(RuntimeError):
-    """The C kernel cannot be built or loaded here (no compiler, or it rejected every flag set)."""
-
-
-def _cache_key(compiler: str, flags: tuple[str, ...]) -> str:
-    digest = hashlib.sha256()
-    for name in SOURCES:
-        digest.update((SOURCE_DIR / name).read_bytes())
-    # -march=native builds for this CPU; the machine's identity keeps another machine's build apart.
-    digest.update(" ".join((compiler, *flags, platform.machine(), platform.node(), torch.__version__)).encode())
-    return digest.hexdigest()[:16]
-
-
-def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
-    """Build the library at `target` (atomically); None on success, else the compiler's message."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(handle)
-    command = [compiler, *flags, "-fPIC", "-shared", "-I", str(SOURCE_DIR),
-               *(str(SOURCE_DIR / name) for name in COMPILED), "-o", scratch]
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        Path(scratch).unlink(missing_ok=True)
-        return str(error)
-    if result.returncode != 0:
-        Path(scratch).unlink(missing_ok=True)
-        return result.stderr.strip()[-500:] or f"{compiler} exited with {result.returncode}"
-    os.replace(scratch, target)  # another process may have built the same file: either copy is right
-    return None
-
-
 @functools.cache
 def load_library() -> ctypes.CDLL:
     """The compiled kernel library (built on first call, then cached on disk and in this process)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if compiler is None:
-        raise KernelUnavailable("no C compiler found (set CC, or install gcc or clang)")
-    folder = default_cache_dir() / "kernels"
-    errors = []
-    for flags in FLAG_SETS:
-        target = folder / f"paged_decode-{_cache_key(compiler, flags)}.so"
-        error = None if target.is_file() else _compile(compiler, flags, target)
-        if error is None:
-            library = ctypes.CDLL(str(target))
-            for symbol in (*KERNEL_DTYPES.values(), *QUANTIZED_KERNELS.values()):
-                function = getattr(library, symbol)
-                function.restype = ctypes.c_int
-                function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # query, strides
-                                     ctypes.c_void_p, ctypes.c_void_p,  # key_pool, value_pool
-                                     ctypes.c_void_p, ctypes.c_void_p,  # key_scales, value_scales (or NULL)
-                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # tables, stride, seq_lens
-                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # rows, num_seqs, out
-                                     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float]
-            library.store_kv.restype = ctypes.c_int
-            library.store_kv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # key, strides
-                                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # value, strides
-                                         ctypes.c_void_p, ctypes.c_int64,  # slot_mapping, num_rows
-                                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,  # pools, num_slots
-                                         ctypes.c_int, ctypes.c_int64]  # num_kv_heads, head_bytes
-            return library
-        errors.append(f"{compiler} {' '.join(flags)}: {error}")
-    raise KernelUnavailable("the C kernel did not compile:\n" + "\n".join(errors))
+    library = build_library("paged_decode", SOURCE_DIR, SOURCES, COMPILED, FLAG_SETS)
+    for symbol in (*KERNEL_DTYPES.values(), *QUANTIZED_KERNELS.values()):
+        function = getattr(library, symbol)
+        function.restype = ctypes.c_int
+        function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # query, strides
+                             ctypes.c_void_p, ctypes.c_void_p,  # key_pool, value_pool
+                             ctypes.c_void_p, ctypes.c_void_p,  # key_scales, value_scales (or NULL)
+                             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # tables, stride, seq_lens
+                             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # rows, num_seqs, out
+                             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float]
+    library.store_kv.restype = ctypes.c_int
+    library.store_kv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # key, strides
+                                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # value, strides
+                                 ctypes.c_void_p, ctypes.c_int64,  # slot_mapping, num_rows
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,  # pools, num_slots
+                                 ctypes.c_int, ctypes.c_int64]  # num_kv_heads, head_bytes
+    return library
 
 
 def kernel_unavailable_reason() -> str | None:

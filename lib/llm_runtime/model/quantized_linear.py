@@ -20,7 +20,9 @@ The kernels are fast with bfloat16 activations (on the 2-core CI CPU at one row:
 head took 3.4 ms dense, 1.5 ms int8 and 0.75 ms int4) and slow in float32 (there the int4 head took
 24 ms, dense 9.7 ms), so a quantized model computes in bfloat16 unless asked otherwise. At many rows
 (a prefill, a large decode batch) they lose to a dense bfloat16 multiply (the head at 64 rows: 11 ms
-dense, 43 ms int8, 22 ms int4): quantization buys small-batch latency and memory, not throughput.
+dense, 43 ms int8, 22 ms int4). So on the CPU an int4 layer above `DENSE_ROWS` rows, or in float32,
+turns its weight back into the compute dtype with this package's C kernel (`quantized_kernels.py`,
+reading PyTorch's own packing: no second copy is kept) and multiplies densely.
 """
 
 from __future__ import annotations
@@ -28,10 +30,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .quantized_kernels import int4_dequantize_t, kernels_unavailable_reason
+
 QUANTIZATIONS = ("int8", "int4", "gguf")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 _INNER_K_TILES = 2  # the int4 kernels' tiling of the input dimension (K must be a multiple of 16 x this)
 _ROW_MULTIPLE = 16  # ... and of the output dimension
+# On the CPU, above this many rows a layer turns its weight back into the compute dtype (a C kernel
+# reading PyTorch's packing, quantized_kernels.py) and multiplies densely: at 64 rows and 3072 x 576 that
+# took 0.89 ms against the int4 kernel's 1.36 ms in bfloat16 here (2.55 against 5.50 ms at 256 rows);
+# at 32 rows the two are even, and below it the int4 kernel wins (0.07 against 0.36 ms at one row).
+DENSE_ROWS = 32
 
 
 # ------------------------------------------------------------------------------------ the arithmetic
@@ -129,7 +138,9 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # (..., in) -> (M, in)
         scales_and_zeros = self.scales_and_zeros.to(x.dtype)
-        if self.packed.device.type == "cuda":
+        if self._dense_here(rows):  # the weight back in x's dtype, then the dense product
+            out = rows @ int4_dequantize_t(self.packed, scales_and_zeros, self.in_features, self.group_size)
+        elif self.packed.device.type == "cuda":
             out = torch.ops.aten._weight_int4pack_mm(rows, self.packed, self.group_size, scales_and_zeros)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, scales_and_zeros)
@@ -137,6 +148,12 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _dense_here(self, rows: torch.Tensor) -> bool:
+        """On the CPU, more than DENSE_ROWS rows (or float32 at any count, where PyTorch's int4 kernel is
+        slow) run as a dense product over the weight turned back by the C kernel, where it builds."""
+        return (self.packed.device.type == "cpu" and (rows.shape[0] > DENSE_ROWS or rows.dtype == torch.float32)
+                and kernels_unavailable_reason() is None)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -45,6 +45,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "number_formats.h"
+
 #define CHUNK 16 /* keys whose scores are held at once */
 #define PREFETCH_AHEAD 1 /* chunks between a prefetch and its use (1 measured fastest here, then 2, 4) */
 #define MAX_HEADS 256 /* query heads */
@@ -72,36 +74,7 @@ static inline float exp_nonpositive(float x) {
 }
 
 /* ---------------------------------------------------------------- one element to float, by its bits
- * float32 is 1 sign bit, 8 exponent bits (bias 127) and 23 mantissa bits: value = 2^(e - 127) * 1.m.
- * The narrower formats below have the same shape with fewer bits, so converting a normal number
- * moves its exponent to float's bias and its mantissa to float's top mantissa bits. */
-
-static inline float bf16_to_float(uint16_t x) {  /* bfloat16 is the top half of a float */
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as PyTorch does */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* NaN stays NaN */
-    v.u += 0x7fffu + ((v.u >> 16) & 1u);
-    return (uint16_t)(v.u >> 16);
-}
-
-/* float16: 1 sign bit, 5 exponent bits (bias 15), 10 mantissa bits; exponent 0 is subnormal,
- * m * 2^-24 (the int8 pool's smallest scale is one), 31 infinity or NaN. Used for the int8 pool's
- * scales, once per key and value. */
-static inline float fp16_to_float(uint16_t x) {
-    const uint32_t sign = (uint32_t)(x & 0x8000u) << 16, exponent = (x >> 10) & 0x1fu, mantissa = x & 0x3ffu;
-    union { uint32_t u; float f; } v;
-    if (exponent == 0) v.f = (float)mantissa * 0x1p-24f;
-    else if (exponent == 31) v.u = 0x7f800000u | mantissa << 13;
-    else v.u = (exponent + 127 - 15) << 23 | mantissa << 13;
-    v.u |= sign;
-    return v.f;
-}
+ * bfloat16 and float16: number_formats.h. */
 
 /* float8 e4m3fn: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal,
  * m * 2^-9. (0x7f and 0xff are NaN; the pool never holds them: quantization clamps to +-448.) */

@@ -1,0 +1,137 @@
+"""The C kernels for quantized weights (`model/quantized_kernels.py`): PyTorch's int4 packing read back
+exactly (a full block of 64 rows and a tail, every group size), the Q8_0 product and tiles equal to the
+float weights', the layers equal with and without the kernels, every build (AVX-512, AVX2, plain C),
+and the guards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llm_runtime.model import quantized_kernels
+from llm_runtime.model.quantized_embedding import Q8Head, Q8Table
+from llm_runtime.model.quantized_kernels import int4_dequantize_t, q8_dequantize, q8_matmul
+from llm_runtime.model.quantized_linear import DENSE_ROWS, Int4Linear, dequantize_int4, quantize_int4
+
+pytestmark = pytest.mark.skipif(quantized_kernels.kernels_unavailable_reason() is not None,
+                                reason="the quantized C kernels do not build here")
+
+
+def _packed_layer(rows: int, columns: int, group: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, columns, generator=gen)
+    q, scale, zero = quantize_int4(w, group)
+    layer = Int4Linear(q, scale, zero, None, dtype)
+    # The weight as the layer holds it: its scales and zeros rounded to its dtype.
+    stored = layer.scales_and_zeros.float()[:, :rows]  # (G, N, 2)
+    weight = dequantize_int4(q, stored[..., 0].t(), stored[..., 1].t())  # (N, K)
+    return layer, weight
+
+
+@pytest.mark.parametrize("rows", [48, 80, 960])  # only a tail, a block and a tail, 15 blocks
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_pytorchs_int4_packing_is_read_back_exactly(rows: int, group: int, dtype: torch.dtype) -> None:
+    layer, weight = _packed_layer(rows, 256, group, dtype)
+    read = int4_dequantize_t(layer.packed, layer.scales_and_zeros, 256, group)  # (K, N padded)
+    assert read.shape == (256, layer.packed.shape[0]) and read.dtype == dtype
+    # q * s + (zero - 8 s) in float32 (a rounding or two from (q - 8) * s + zero), then once to dtype
+    rtol = 1e-6 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(read.t()[:rows].float(), weight, rtol=rtol, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_an_int4_layer_is_the_same_product_on_either_side_of_dense_rows(dtype: torch.dtype) -> None:
+    layer, weight = _packed_layer(200, 256, 32, dtype, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    for num_rows in (1, DENSE_ROWS, DENSE_ROWS + 1, 100):
+        x = torch.randn(num_rows, 256, generator=gen).to(dtype)
+        expected = x.float() @ weight.t()
+        assert layer._dense_here(x) == (num_rows > DENSE_ROWS or dtype == torch.float32)
+        tolerance = 1e-4 if dtype == torch.float32 else 2e-2 * float(expected.abs().max())
+        assert (layer(x).float() - expected).abs().max() < tolerance, num_rows
+
+
+def test_without_the_kernels_the_layers_keep_pytorchs(monkeypatch) -> None:
+    layer, weight = _packed_layer(64, 128, 32, torch.bfloat16)
+    table = Q8Table(torch.randint(-127, 128, (64, 64), dtype=torch.int8), torch.rand(64, 2) / 100, torch.bfloat16)
+    x = torch.randn(40, 128).bfloat16()
+    with_kernels = layer(x), Q8Head(table)(x[:3, :64]), Q8Head(table)(x[:, :64])
+    monkeypatch.setattr(quantized_kernels, "kernels_unavailable_reason", lambda: "no compiler")
+    monkeypatch.setattr("llm_runtime.model.quantized_linear.kernels_unavailable_reason", lambda: "no compiler")
+    monkeypatch.setattr("llm_runtime.model.quantized_embedding.kernels_unavailable_reason", lambda: "no compiler")
+    assert not layer._dense_here(x)
+    without = layer(x), Q8Head(table)(x[:3, :64]), Q8Head(table)(x[:, :64])
+    for a, b in zip(with_kernels, without):
+        assert (a.float() - b.float()).abs().max() < 2e-2 * float(b.float().abs().max())
+
+
+def _q8_table(vocab: int, hidden: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (vocab, hidden), generator=gen, dtype=torch.int8)
+    d = torch.rand(vocab, hidden // 32, generator=gen) / 100
+    table = Q8Table(q, d, dtype)
+    weight = (q.view(vocab, -1, 32).float() * table.d.float().t()[..., None]).view(vocab, hidden)  # d as stored
+    return table, weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_q8_0_product_and_tiles_equal_the_float_weights(dtype: torch.dtype) -> None:
+    table, weight = _q8_table(1000, 96, dtype)
+    gen = torch.Generator().manual_seed(3)
+    for num_rows in (1, 3, 4, 6):  # whole and partial groups of the kernel's 4 rows
+        x = torch.randn(num_rows, 96, generator=gen).to(dtype)
+        expected = x.float() @ weight.t()
+        out = q8_matmul(x, table.q, table.d)
+        tolerance = 1e-5 * float(expected.abs().max()) if dtype == torch.float32 else 1 / 128 * expected.abs() + 1e-3
+        assert ((out.float() - expected).abs() <= tolerance).all(), num_rows  # one rounding to bfloat16 at most
+    assert torch.equal(q8_dequantize(table.q, table.d, 10, 700), weight[10:700].to(dtype))
+    assert q8_dequantize(table.q, table.d, 5, 5).shape == (0, 96)
+
+
+@pytest.mark.parametrize("flags", [("-O3", "-mavx2", "-mfma", "-fopenmp"), ("-O3",)], ids=["avx2", "plain-c"])
+def test_the_avx2_and_plain_c_builds_give_the_same_results(monkeypatch, tmp_path, flags) -> None:
+    layer, weight = _packed_layer(80, 128, 64, torch.float32)
+    table, table_weight = _q8_table(300, 64, torch.float32)
+    x = torch.randn(5, 64)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(quantized_kernels, "FLAG_SETS", (flags,))
+    quantized_kernels.load_library.cache_clear()
+    try:
+        assert quantized_kernels.int4_layout_matches()
+        read = int4_dequantize_t(layer.packed, layer.scales_and_zeros, 128, 64).t()[:80]
+        torch.testing.assert_close(read, weight, rtol=1e-6, atol=1e-6)
+        assert (q8_matmul(x, table.q, table.d) - x @ table_weight.t()).abs().max() < 1e-4
+        assert torch.equal(q8_dequantize(table.q, table.d, 0, 300), table_weight)
+    finally:
+        quantized_kernels.load_library.cache_clear()
+
+
+def test_bad_inputs_are_refused_before_the_c_code_runs() -> None:
+    layer, _ = _packed_layer(64, 128, 32, torch.float32)
+    with pytest.raises(ValueError, match="packed must be uint8"):
+        int4_dequantize_t(layer.packed, layer.scales_and_zeros, 256, 32)
+    with pytest.raises(ValueError, match="scales_and_zeros must be"):
+        int4_dequantize_t(layer.packed, layer.scales_and_zeros, 128, 64)
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        int4_dequantize_t(layer.packed, layer.scales_and_zeros.transpose(0, 1).contiguous().transpose(0, 1), 128, 32)
+    table, _ = _q8_table(100, 64, torch.float32)
+    with pytest.raises(ValueError, match="d \(blocks, V\) in torch.bfloat16"):
+        q8_matmul(torch.randn(2, 64).bfloat16(), table.q, table.d)
+    with pytest.raises(ValueError, match=r"x must be \(M, 64\)"):
+        q8_matmul(torch.randn(2, 32), table.q, table.d)
+    with pytest.raises(ValueError, match="outside a table of 100"):
+        q8_dequantize(table.q, table.d, 50, 101)
+    with pytest.raises(TypeError, match="compute in"):
+        q8_dequantize(table.q, table.d.half(), 0, 10)
+
+
+def test_a_packing_pytorch_changed_turns_the_kernels_off(monkeypatch) -> None:
+    monkeypatch.setattr(quantized_kernels, "int4_layout_matches", lambda: False)
+    quantized_kernels.kernels_unavailable_reason.cache_clear()
+    try:
+        assert "packs int4 weights in a layout" in quantized_kernels.kernels_unavailable_reason()
+    finally:
+        monkeypatch.undo()
+        quantized_kernels.kernels_unavailable_reason.cache_clear()
+    assert quantized_kernels.kernels_unavailable_reason() is None
