@@ -303,13 +303,16 @@ def test_the_backend_reads_an_8bit_pool_in_place_and_long_chunks_over_a_copy_of_
     assert plan.quantized_prefills.blocks.tolist() == long_prefix  # the 20-row and 12-row chunks' prefixes
     assert 0 < len(long_prefix) < key_pool.shape[0]  # a copy of some blocks, not of the pool
     num_kv_heads, head_dim = key_pool.shape[2:]
-    key = read_back[0].view(-1, num_kv_heads, head_dim)[metadata.slot_mapping]  # (N, KV, d): the step's own
-    value = read_back[1].view(-1, num_kv_heads, head_dim)[metadata.slot_mapping]
+    spread = torch.logspace(-4, 1.5, head_dim, dtype=torch.float64)  # as quantized_pools made them
+    # The step's own keys and values in full precision (the backend rounds them as stored) and as read back.
+    key, value = ((pool * spread).float().view(-1, num_kv_heads, head_dim)[metadata.slot_mapping] for pool in pools)
+    read_key, read_value = (pool.view(-1, num_kv_heads, head_dim)[metadata.slot_mapping] for pool in read_back)
+    assert not torch.equal(key, read_key)
     stored = QuantizedPools(KVQuantization.of(kv_cache_dtype, torch.float32), key_pool, value_pool, key_scales,
                             value_scales)
     out = backend.forward_quantized(query.float(), key, value, stored, plan)
     reference = TorchGatherBackend()
-    expected = reference.forward(query.float(), key, value, *read_back, reference.plan(metadata))
+    expected = reference.forward(query.float(), read_key, read_value, *read_back, reference.plan(metadata))
     assert (out - expected).abs().max() < 1e-5 * expected.abs().max()
 
 

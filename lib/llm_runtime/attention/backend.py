@@ -96,7 +96,9 @@ class AttentionBackend(ABC):
     def forward_quantized(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pools: QuantizedPools,
                           plan: Any) -> torch.Tensor:
         """As `forward`, over a layer's 8-bit pools as stored (only where `reads_quantized_kv`). key and value
-        (N, KV, d) are this step's, already stored, as read back (quantized and dequantized)."""
+        (N, KV, d) are this step's, already stored, in full precision: a backend that reads them instead of
+        the pool rounds them as stored first (`pools.quantization.round_trip`), so that every row sees the
+        same keys whichever path serves it."""
         raise NotImplementedError(f"the {self.name} backend does not read quantized pools in place")
 
 
@@ -138,12 +140,10 @@ class PagedAttentionStep:
             out = self.backend.forward(query, key, value, key_pool, value_pool, self.plan)  # (N, H, d)
         else:  # quantize into the pool, attend over it (and over these keys as stored)
             self.cache.write(layer_idx, self.metadata.slot_mapping, key, value)
-            quantization = self.cache.quantization
-            key = quantization.dequantize(*quantization.quantize(key), key.dtype)
-            value = quantization.dequantize(*quantization.quantize(value), value.dtype)
             if self.compact is None:  # the backend reads 8 bits where they lie
                 out = self.backend.forward_quantized(query, key, value, self.cache.layer(layer_idx), self.plan)
-            else:  # the step's blocks read back: (U, block_size, KV, d) each
+            else:  # the step's blocks read back: (U, block_size, KV, d) each, and these keys as stored
+                key, value = self.cache.quantization.round_trip(key), self.cache.quantization.round_trip(value)
                 key_pool, value_pool = self.cache.read_blocks(layer_idx, self.compact.blocks)
                 out = self.backend.forward(query, key, value, key_pool, value_pool, self.plan)
         if self.timer is not None:

@@ -142,6 +142,7 @@ class CpuKernelBackend(BlockwiseBackend):
             # small beside the T x S attention that reads it (the chunks' own keys are `key` and `value`).
             # Sending these rows through the kernel instead would skip the copy but lose that speed.
             blocks, quantization = plan.quantized_prefills.blocks, pools.quantization
+            key, value = quantization.round_trip(key), quantization.round_trip(value)  # as the pool holds them
             key_pool = dequantize_blocks(quantization, pools.key_pool, pools.key_scales, blocks, query.dtype)
             value_pool = dequantize_blocks(quantization, pools.value_pool, pools.value_scales, blocks, query.dtype)
             self._attend_prefills(query, key, value, key_pool, value_pool, plan.quantized_prefills.prefills, out)

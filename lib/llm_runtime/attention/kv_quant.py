@@ -70,6 +70,10 @@ class KVQuantization:
         q = torch.round(x / scale.float()[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
         return q, scale
 
+    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the pool stores it, read back in x's dtype."""
+        return self.dequantize(*self.quantize(x), x.dtype) if self.quantized else x
+
     def dequantize(self, stored: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """The inverse of `quantize`, in `dtype`."""
         if not self.quantized:
