@@ -309,12 +309,20 @@ def prefill_chunks_ignoring_the_decodes(prompt_len: int, num_decodes: int, max_n
 def pool_blocks(device_memory: int, gpu_memory_utilization: float, held_bytes: int, max_num_seqs: int,
                 max_model_len: int, bytes_per_token: int, block_size: int) -> int:
     usable = int(device_memory * gpu_memory_utilization) - held_bytes
-    return min(usable, max_num_seqs * max_model_len * bytes_per_token) // (block_size * bytes_per_token)
+    per_sequence = -(-max_model_len // block_size)  # whole blocks
+    return min(usable // (block_size * bytes_per_token), max_num_seqs * per_sequence)
 
 
 def pool_blocks_without_the_cap(device_memory: int, gpu_memory_utilization: float, held_bytes: int,
                                 max_num_seqs: int, max_model_len: int, bytes_per_token: int, block_size: int) -> int:
     return (int(device_memory * gpu_memory_utilization) - held_bytes) // (block_size * bytes_per_token)
+
+
+def pool_blocks_in_tokens_not_blocks(device_memory: int, gpu_memory_utilization: float, held_bytes: int,
+                                     max_num_seqs: int, max_model_len: int, bytes_per_token: int,
+                                     block_size: int) -> int:
+    usable = int(device_memory * gpu_memory_utilization) - held_bytes
+    return min(usable, max_num_seqs * max_model_len * bytes_per_token) // (block_size * bytes_per_token)
 
 
 def pool_blocks_ignoring_what_is_held(device_memory: int, gpu_memory_utilization: float, held_bytes: int,
@@ -704,7 +712,8 @@ WRONG: dict[str, list[Callable]] = {
     "lesson04.wasted_slots": [wasted_slots_against_the_longest_request_of_all],
     "lesson05.flatten_ragged": [flatten_ragged_every_segment_samples, flatten_ragged_positions_from_zero],
     "lesson05.prefill_chunks": [prefill_chunks_ignoring_the_decodes],
-    "lesson06.pool_blocks": [pool_blocks_without_the_cap, pool_blocks_ignoring_what_is_held],
+    "lesson06.pool_blocks": [pool_blocks_without_the_cap, pool_blocks_ignoring_what_is_held,
+                             pool_blocks_in_tokens_not_blocks],
     "lesson06.refusal": [refusal_counting_prompt_blocks_only],
     "lesson07.slot_mapping": [slot_mapping_block_not_scaled],
     "lesson07.block_to_copy": [block_to_copy_last_block],

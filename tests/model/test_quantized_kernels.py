@@ -116,7 +116,7 @@ def test_bad_inputs_are_refused_before_the_c_code_runs() -> None:
     with pytest.raises(ValueError, match="contiguous CPU tensor"):
         int4_dequantize_t(layer.packed, layer.scales_and_zeros.transpose(0, 1).contiguous().transpose(0, 1), 128, 32)
     table, _ = _q8_table(100, 64, torch.float32)
-    with pytest.raises(ValueError, match="d \(blocks, V\) in torch.bfloat16"):
+    with pytest.raises(ValueError, match=r"d \(blocks, V\) in torch.bfloat16"):
         q8_matmul(torch.randn(2, 64).bfloat16(), table.q, table.d)
     with pytest.raises(ValueError, match=r"x must be \(M, 64\)"):
         q8_matmul(torch.randn(2, 32), table.q, table.d)

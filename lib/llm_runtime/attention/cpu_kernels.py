@@ -5,7 +5,7 @@ brings its own: `csrc/paged_decode.c` (attention, plain C with OpenMP; the file 
 algorithm) and `csrc/store_kv.c` (the step's keys and values into the pool). Attention reads a pool
 in the query's dtype (`paged_decode`) or an 8-bit one as stored, int8 with its float16 scales or
 float8 e4m3fn (`paged_decode_quantized`, kv_quant.py): one C function per pair of dtypes. The
-library is built on first use and cached (`native.py`), and loaded with ctypes. PyTorch tensors are
+library is built on first use and cached (`native/build.py`), and loaded with ctypes. PyTorch tensors are
 passed as raw pointers, so the wrapper checks every dtype, layout and shape the C code assumes.
 
 Without a working C compiler (or on a platform where none of the flag sets below builds),

@@ -12,7 +12,7 @@ Two things PyTorch's own quantized kernels do not do well here (the C file has t
   columns: `q8_matmul` reads the block-major table (`quantized_embedding.py`) with its scales in one
   pass, and `q8_dequantize` turns a tile of its rows back into the compute dtype.
 
-The library is built on first use and cached (`native.py`); without a C compiler, `kernels_unavailable_reason`
+The library is built on first use and cached (`native/build.py`); without a C compiler, `kernels_unavailable_reason`
 says why and the layers keep PyTorch's kernels.
 """
 

@@ -4,7 +4,7 @@ Both checkers build small engines' worth of real package objects around a tiny r
 the CPU (a few kilobytes of weights).
 
 - `pool_blocks(...)`: the KV budget rule of `engine/kv_budget.py` (device memory x utilization minus
-  what is held, capped at what max_num_seqs full-length sequences use), in blocks, against
+  what is held, capped at what max_num_seqs full-length sequences use in whole blocks), in blocks, against
   `kv_cache_memory` and `num_blocks_in`.
 - `refusal(prompt_len, max_tokens, context_len, num_kv_blocks, block_size)`: which field the engine
   refuses a request for (or None), against `LLMEngine.add_request`.
@@ -37,8 +37,8 @@ def check_pool_blocks(fn: object) -> Verdict:
     bytes_per_token, block_size) -> int`: the number of KV blocks an engine gets when the config names
     no size: the bytes it may use are device_memory x gpu_memory_utilization (rounded down to whole
     bytes) minus `held_bytes` (weights, activations, other live engines), but never more than
-    max_num_seqs sequences of max_model_len tokens need; a block holds block_size tokens of
-    bytes_per_token bytes each; only whole blocks count."""
+    max_num_seqs sequences of max_model_len tokens need, each in whole blocks; a block holds block_size
+    tokens of bytes_per_token bytes each; only whole blocks count."""
 
     def cases() -> list[Case]:
         rng = random.Random(6)

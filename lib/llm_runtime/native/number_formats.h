@@ -1,5 +1,5 @@
 /*
- * Numbers by their bits, shared by the package's C kernels (attention/csrc, model/csrc): bfloat16 and
+ * Numbers by their bits, shared by the package's C kernels (attention/csrc, model/csrc; found on the include path native/build.py gives): bfloat16 and
  * float16 to float32 and back, without any compiler extension type, so every C compiler builds them.
  *
  * float32 is 1 sign bit, 8 exponent bits (bias 127) and 23 mantissa bits: value = 2^(e - 127) * 1.m.
