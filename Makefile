@@ -33,10 +33,12 @@ lab: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[lab]"
 	$(BIN)/jupyter lab notebooks/
 
-# The unit tests and every lesson in float32, then every lesson again in bfloat16 (what a GPU runs).
+# The unit tests and every lesson in float32, then every lesson again in bfloat16 (what a GPU runs). Lesson 13
+# compares dtypes itself (LLM_RUNTIME_DTYPE does not apply to it), so the second pass leaves it out.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests notebooks --nbval-lax --durations=10
-	LLM_RUNTIME_DTYPE=bfloat16 $(BIN)/python -m pytest -q -p no:cacheprovider notebooks --nbval-lax --durations=5
+	LLM_RUNTIME_DTYPE=bfloat16 $(BIN)/python -m pytest -q -p no:cacheprovider notebooks --nbval-lax --durations=5 \
+		--ignore=notebooks/13_quantization.ipynb
 
 clean-venv:
 	rm -rf $(VENV)

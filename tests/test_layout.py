@@ -9,7 +9,7 @@ from pathlib import Path
 import llm_runtime
 
 PACKAGE = Path(llm_runtime.__file__).parent
-FOLDERS = ("model", "attention", "sampling", "engine", "serving", "bench", "lessons")
+FOLDERS = ("model", "attention", "sampling", "engine", "spec_decode", "serving", "bench", "lessons", "native")
 
 
 def test_the_folders_of_the_target_layout() -> None:

@@ -1,7 +1,10 @@
-"""Sampling: `SamplingParams` (what a request asks for) and the batched `Sampler` (how tokens are drawn)."""
+"""Sampling: `SamplingParams` (what a request asks for), the batched `Sampler` (how tokens are drawn) and
+the rejection sampler that keeps speculative drafts exactly (`rejection.py`)."""
 
 from .params import FIELD_BOUNDS, GREEDY_TEMPERATURE, Bounds, RequestOutputKind, SamplingParams
-from .sampler import Sampler, SamplerOutput, apply_min_p, apply_penalties, apply_top_k, apply_top_k_top_p, apply_top_p
+from .rejection import RejectionOutput, one_hot_greedy, rejection_sample
+from .sampler import (Sampler, SamplerOutput, apply_min_p, apply_penalties, apply_top_k, apply_top_k_top_p, apply_top_p,
+                      sampling_probs)
 from .seeded import SeededGenerator
 
 __all__ = [
@@ -9,6 +12,7 @@ __all__ = [
     "Bounds",
     "RequestOutputKind",
     "GREEDY_TEMPERATURE",
+    "RejectionOutput",
     "Sampler",
     "SamplerOutput",
     "SamplingParams",
@@ -18,4 +22,7 @@ __all__ = [
     "apply_top_k",
     "apply_top_k_top_p",
     "apply_top_p",
+    "one_hot_greedy",
+    "rejection_sample",
+    "sampling_probs",
 ]

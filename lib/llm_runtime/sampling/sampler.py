@@ -128,6 +128,22 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return logits.masked_fill(remove, -math.inf)
 
 
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each non-greedy row samples from: logits (R, V), penalties already applied, divided
+    by temperature, filtered by min-p, top-k and top-p, softmaxed: (R, V) float32. Speculative decoding's
+    rejection sampler keeps drafts against these same distributions (`rejection.py`)."""
+    device, vocab = logits.device, logits.shape[1]
+    logits = logits.float() / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    if any(p.min_p > 0 for p in params):
+        logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device)[:, None])
+    top_k = top_p = None
+    if any(0 < p.top_k < vocab for p in params):
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)[:, None]
+    if any(p.top_p < 1 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+    return apply_top_k_top_p(logits, top_k, top_p).softmax(dim=-1)
+
+
 class Sampler:
     """Picks one token per row of a (B, vocab) logits batch, each row with its own SamplingParams.
 
@@ -208,19 +224,7 @@ class Sampler:
     ) -> torch.Tensor:
         device, vocab = logits.device, logits.shape[1]
         row_index = torch.tensor(rows, device=device)
-        chosen = [params[i] for i in rows]
-        logits = logits[row_index].float()  # (R, V)
-        temperature = torch.tensor([p.temperature for p in chosen], device=device)[:, None]
-        logits = logits / temperature
-        if any(p.min_p > 0 for p in chosen):
-            logits = apply_min_p(logits, torch.tensor([p.min_p for p in chosen], device=device)[:, None])
-        top_k = top_p = None
-        if any(0 < p.top_k < vocab for p in chosen):
-            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in chosen], device=device)[:, None]
-        if any(p.top_p < 1 for p in chosen):
-            top_p = torch.tensor([p.top_p for p in chosen], device=device)[:, None]
-        logits = apply_top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)  # (R, V)
+        probs = sampling_probs(logits[row_index], [params[i] for i in rows])  # (R, V)
 
         # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) draws token i with probability p_i,
         # and each row's noise can come from that row's own generator.
