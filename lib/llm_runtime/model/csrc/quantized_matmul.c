@@ -30,7 +30,6 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "number_formats.h"
 
@@ -49,7 +48,6 @@ static inline void decode32_i8(const int8_t *q, __m512 *low, __m512 *high) {
 static inline void q8_row(const float *x, int m, const int8_t *q, const float *d_v, int64_t blocks, int64_t V,
                           float *out_v) {
     const int64_t K = blocks * 32;
-    float total[ROWS] = {0.0f};
 #if defined(__AVX512F__)
     __m512 acc[ROWS];
     for (int r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
@@ -66,6 +64,7 @@ static inline void q8_row(const float *x, int m, const int8_t *q, const float *d
     }
     for (int r = 0; r < m; r++) out_v[r] = _mm512_reduce_add_ps(acc[r]);
 #else
+    float total[ROWS] = {0.0f};
     for (int64_t b = 0; b < blocks; b++) {
         const int8_t *qb = q + b * V * 32;
         for (int r = 0; r < m; r++) {
