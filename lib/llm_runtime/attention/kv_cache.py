@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from .causal import causal_attention
-from .kv_quant import SCALE_DTYPE, KVQuantization, QuantizedPools
+from .kv_quant import SCALE_DTYPE, KVQuantization, QuantizedPools, dequantize_blocks
 from ..config import ModelConfig
 
 
@@ -177,13 +177,9 @@ class PagedKVCache:
 
     def read_blocks(self, layer_idx: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the given blocks (U,) in the model's dtype: (U, block_size, KV, d) each."""
-        quantization = self.quantization
-        keys = quantization.dequantize(self.keys[layer_idx][blocks],
-                                       self.key_scales[layer_idx][blocks] if quantization.scaled else None, self.dtype)
-        values = quantization.dequantize(self.values[layer_idx][blocks],
-                                         self.value_scales[layer_idx][blocks] if quantization.scaled else None,
-                                         self.dtype)
-        return keys, values
+        pools = self.layer(layer_idx)
+        return (dequantize_blocks(self.quantization, pools.key_pool, pools.key_scales, blocks, self.dtype),
+                dequantize_blocks(self.quantization, pools.value_pool, pools.value_scales, blocks, self.dtype))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks (source, destination) in every layer."""

@@ -10,11 +10,12 @@ bytes. `EngineConfig(kv_cache_dtype=...)` picks how each key and value element i
 - "fp8": float8 e4m3 (4 exponent bits, 3 mantissa bits, largest 448), no scale: exactly 1 byte an
   element, 4x float32; a relative error of at most 2^-4 per element, whatever its size.
 
-Writing quantizes (`KVQuantization.quantize`). Reading goes through the backends unchanged: per step,
-`compact_step` renumbers the blocks the step's sequences use (0 .. U-1) and, per layer,
-`dequantize_blocks` turns just those U blocks back into the model's dtype, a small pool that any
-backend reads as it reads the full-precision one. The cost is proportional to the step's context,
-not the pool (but for a backend compiled for one pool shape, `reads_whole_pool`); a kernel that reads 8-bit keys where they lie (as vLLM's do) would skip the copy.
+Writing quantizes (`KVQuantization.quantize`). A backend that reads 8-bit keys where they lie (the
+`cpu` backend's C kernel: `reads_quantized_kv`, `forward_quantized` over `QuantizedPools`) needs nothing
+more. Any other reads through a copy: per step, `compact_step` renumbers the blocks the step's sequences
+use (0 .. U-1) and, per layer, `dequantize_blocks` turns just those U blocks back into the model's dtype,
+a small pool it reads as it reads the full-precision one. The copy's cost is proportional to the step's
+context, not the pool (but for a backend compiled for one pool shape, `reads_whole_pool`).
 """
 
 from __future__ import annotations
@@ -76,9 +77,7 @@ class KVQuantization:
 
     def dequantize(self, stored: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """The inverse of `quantize`, in `dtype`."""
-        if not self.quantized:
-            return stored.to(dtype)
-        if scale is None:
+        if scale is None:  # the model's dtype, or float8
             return stored.to(dtype)
         return (stored.float() * scale.float()[..., None]).to(dtype)
 
