@@ -184,6 +184,10 @@ class EngineConfig:
     # The layers' pointwise parts (RMSNorm, rotary, SiLU-and-multiply) through torch.compile (model/pointwise.py).
     # None: where it wins, on CUDA, if the engine owns the model. enforce_eager=True never compiles.
     compile_pointwise: bool | None = None
+    # The whole forward pass and the logits as one torch.compile graph, for the steps whose attention runs inside
+    # it (engine/compiled_forward.py; the cpu backend over a full-precision pool). None: on the CPU, if the engine
+    # owns the model (LLM(...), serve, bench). The engine compiles when it is built; enforce_eager=True never does.
+    compile_model: bool | None = None
     # Decode-only steps replayed from CUDA graphs captured per batch-size bucket (engine/cuda_graphs.py).
     # None: on CUDA, where the attention backend can be captured, unless enforce_eager.
     cuda_graphs: bool | None = None
@@ -213,13 +217,18 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
-        for name in ("prepack_weights", "compile_pointwise", "cuda_graphs"):
+        for name in ("prepack_weights", "compile_pointwise", "compile_model", "cuda_graphs"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if self.enforce_eager and self.compile_pointwise:
             raise ValueError("compile_pointwise=True asks for torch.compile, which enforce_eager=True forbids")
+        if self.enforce_eager and self.compile_model:
+            raise ValueError("compile_model=True asks for torch.compile, which enforce_eager=True forbids")
+        if self.compile_model and self.compile_pointwise:
+            raise ValueError("compile_model=True compiles the pointwise parts with the rest of the forward pass; "
+                             "compile_pointwise=True asks for them alone")
         if self.enforce_eager and self.cuda_graphs:
             raise ValueError("cuda_graphs=True asks for CUDA graphs, which enforce_eager=True forbids")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -331,3 +331,39 @@ def test_bad_8bit_pools_are_refused_before_the_c_code_runs() -> None:
     fp8_key, fp8_value, *_ = quantized_pools(pools, "fp8")
     with pytest.raises(ValueError, match="has no scales"):
         paged_decode_quantized(query.float(), fp8_key, fp8_value, key_scales, value_scales, *args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_operator_for_compiled_graphs_stores_then_attends_as_the_backend_does(dtype) -> None:
+    """`cpu_paged_attention`, one layer's attention as one PyTorch operator: the backend's `store_kv` then
+    `forward` (a mixed batch: decodes and a prefill chunk over its cached prefix), pools written alike; its
+    schema, fake version and mutation annotations pass PyTorch's operator checks."""
+    metadata, pools, query = random_step([0, 9, 30], [5, 1, 4], 6, 2, 64)
+    backend = CpuKernelBackend()
+    plan = backend.plan(metadata)
+    inputs = backend.compiled_inputs(plan, pools[0].shape[0])
+    assert inputs is not None
+    gen = torch.Generator().manual_seed(1)
+    key, value = (torch.randn(metadata.num_tokens, 2, 64, generator=gen).to(dtype) for _ in range(2))
+    query = query.to(dtype)
+    expected_pools = [p.to(dtype) for p in pools]
+    backend.store_kv(*expected_pools, metadata.slot_mapping, key, value)
+    expected = backend.forward(query, key, value, *expected_pools, plan)
+    key_pool, value_pool = (p.to(dtype) for p in pools)
+    out = cpu_kernels.cpu_paged_attention(query, key, value, key_pool, value_pool, metadata.slot_mapping, *inputs)
+    assert torch.equal(out, expected)
+    assert torch.equal(key_pool, expected_pools[0]) and torch.equal(value_pool, expected_pools[1])
+    torch.library.opcheck(cpu_kernels.cpu_paged_attention,
+                          (query, key, value, key_pool, value_pool, metadata.slot_mapping, *inputs))
+    with pytest.raises(TypeError, match="one dtype"):
+        cpu_kernels.cpu_paged_attention(query.double(), key, value, key_pool, value_pool, metadata.slot_mapping,
+                                        *inputs)
+
+
+def test_a_step_with_a_long_chunk_has_no_compiled_inputs() -> None:
+    metadata, pools, _ = random_step([0, 9], [600, 1], 2, 2, 64)
+    backend = CpuKernelBackend()
+    assert backend.compiled_inputs(backend.plan(metadata), pools[0].shape[0]) is None  # block-wise: eager
+    short, pools, _ = random_step([0, 9], [6, 1], 2, 2, 64)
+    with pytest.raises(ValueError, match="outside a pool"):
+        backend.compiled_inputs(backend.plan(short), 2)

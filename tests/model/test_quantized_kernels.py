@@ -11,7 +11,7 @@ import torch
 from llm_runtime.model import quantized_kernels
 from llm_runtime.model.quantized_embedding import Q8Head, Q8Table
 from llm_runtime.model.quantized_kernels import int4_dequantize_t, q8_dequantize, q8_matmul
-from llm_runtime.model.quantized_linear import DENSE_ROWS, Int4Linear, dequantize_int4, quantize_int4
+from llm_runtime.model.quantized_linear import DENSE_ROWS, Int4Linear, _dense_here, dequantize_int4, quantize_int4
 
 pytestmark = pytest.mark.skipif(quantized_kernels.kernels_unavailable_reason() is not None,
                                 reason="the quantized C kernels do not build here")
@@ -47,7 +47,7 @@ def test_an_int4_layer_is_the_same_product_on_either_side_of_dense_rows(dtype: t
     for num_rows in (1, DENSE_ROWS, DENSE_ROWS + 1, 100):
         x = torch.randn(num_rows, 256, generator=gen).to(dtype)
         expected = x.float() @ weight.t()
-        assert layer._dense_here(x) == (num_rows > DENSE_ROWS or dtype == torch.float32)
+        assert _dense_here(x, layer.packed) == (num_rows > DENSE_ROWS or dtype == torch.float32)
         tolerance = 1e-4 if dtype == torch.float32 else 2e-2 * float(expected.abs().max())
         assert (layer(x).float() - expected).abs().max() < tolerance, num_rows
 
@@ -60,7 +60,7 @@ def test_without_the_kernels_the_layers_keep_pytorchs(monkeypatch) -> None:
     monkeypatch.setattr(quantized_kernels, "kernels_unavailable_reason", lambda: "no compiler")
     monkeypatch.setattr("llm_runtime.model.quantized_linear.kernels_unavailable_reason", lambda: "no compiler")
     monkeypatch.setattr("llm_runtime.model.quantized_embedding.kernels_unavailable_reason", lambda: "no compiler")
-    assert not layer._dense_here(x)
+    assert not _dense_here(x, layer.packed)
     without = layer(x), Q8Head(table)(x[:3, :64]), Q8Head(table)(x[:, :64])
     for a, b in zip(with_kernels, without):
         assert (a.float() - b.float()).abs().max() < 2e-2 * float(b.float().abs().max())
@@ -135,3 +135,21 @@ def test_a_packing_pytorch_changed_turns_the_kernels_off(monkeypatch) -> None:
         monkeypatch.undo()
         quantized_kernels.kernels_unavailable_reason.cache_clear()
     assert quantized_kernels.kernels_unavailable_reason() is None
+
+
+@pytest.mark.parametrize("num_rows", [1, DENSE_ROWS + 8])  # PyTorch's int4 kernel, the weight turned back
+def test_the_operators_for_compiled_graphs_are_the_layers_products(num_rows: int) -> None:
+    """`int4_matmul` and `q8_matmul_t` (what a compiled forward pass calls, so that the choice of kernel by
+    row count stays inside one node) give the eager products and pass PyTorch's operator checks."""
+    from llm_runtime.model.quantized_embedding import q8_matmul_t, q8_product
+    from llm_runtime.model.quantized_linear import int4_matmul, int4_product
+
+    layer, _ = _packed_layer(80, 128, 32, torch.bfloat16)
+    x = torch.randn(num_rows, 128).bfloat16()
+    args = (x, layer.packed, 32, layer.scales_and_zeros)
+    assert torch.equal(int4_matmul(*args), int4_product(*args))
+    torch.library.opcheck(int4_matmul, args)
+    table, _ = _q8_table(300, 64, torch.bfloat16)
+    args = (x[:, :64].contiguous(), table.q, table.d)
+    assert torch.equal(q8_matmul_t(*args), q8_product(*args))
+    torch.library.opcheck(q8_matmul_t, args)

@@ -102,6 +102,19 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"the {self.name} backend does not read quantized pools in place")
 
 
+    def compiled_inputs(self, plan: Any, num_blocks: int) -> tuple[torch.Tensor, ...] | None:
+        """Where this step's attention can run inside a torch.compile graph (engine/compiled_forward.py): the
+        tensors of the plan that `attend_compiled` reads in every layer, checked against pools of `num_blocks`
+        blocks. None where the step must run eagerly (the default: a backend that decides on the host)."""
+        return None
+
+    def attend_compiled(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,
+                        value_pool: torch.Tensor, slot_mapping: torch.Tensor, *plan: torch.Tensor) -> torch.Tensor:
+        """`store_kv`, then `forward`, in one layer of a compiled forward pass, over the tensors `compiled_inputs`
+        gave: operators the tracer can follow, with no decision on the host."""
+        raise NotImplementedError(f"the {self.name} backend does not run inside a compiled forward pass")
+
+
 class AttentionTimer(Protocol):
     attention: float  # seconds spent in attention layers so far (the engine's StepProfile)
 

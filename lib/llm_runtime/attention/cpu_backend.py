@@ -112,12 +112,26 @@ class CpuKernelBackend(BlockwiseBackend):
                  key: torch.Tensor, value: torch.Tensor) -> None:
         cpu_kernels.store_kv(key_pool, value_pool, slot_mapping, key, value)
 
+    def compiled_inputs(self, plan: CpuPlan, num_blocks: int) -> tuple[torch.Tensor, ...] | None:
+        """A step whose every row the kernel serves (no chunk longer than kernel_max_rows) runs compiled."""
+        rows = plan.kernel_rows
+        if rows is None or plan.prefills:
+            return None
+        _check_pool_size(rows, num_blocks)
+        return rows.block_tables, rows.seq_lens, rows.rows
+
+    def attend_compiled(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,
+                        value_pool: torch.Tensor, slot_mapping: torch.Tensor, *plan: torch.Tensor) -> torch.Tensor:
+        block_tables, seq_lens, rows = plan
+        return cpu_kernels.cpu_paged_attention(query, key, value, key_pool, value_pool, slot_mapping, block_tables,
+                                               seq_lens, rows)
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,
                 value_pool: torch.Tensor, plan: CpuPlan) -> torch.Tensor:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # (N, H, d), contiguous
         rows = plan.kernel_rows
         if rows is not None:
-            _check_pool_size(rows, key_pool)
+            _check_pool_size(rows, key_pool.shape[0])
             if query.stride(-1) != 1:
                 query = query.contiguous()
             paged_decode(query, key_pool, value_pool, rows.block_tables, rows.seq_lens, rows.rows, out,
@@ -130,7 +144,7 @@ class CpuKernelBackend(BlockwiseBackend):
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # (N, H, d), contiguous
         rows = plan.kernel_rows
         if rows is not None:  # the 8-bit pools as stored, converted in the kernel's registers
-            _check_pool_size(rows, pools.key_pool)
+            _check_pool_size(rows, pools.key_pool.shape[0])
             if query.stride(-1) != 1:
                 query = query.contiguous()
             paged_decode_quantized(query, pools.key_pool, pools.value_pool, pools.key_scales, pools.value_scales,
@@ -149,10 +163,10 @@ class CpuKernelBackend(BlockwiseBackend):
         return out
 
 
-def _check_pool_size(rows: KernelRows, pool: torch.Tensor) -> None:
-    """The per-layer half of the kernel's index check: the tables' largest block lies in this pool."""
-    if rows.max_block >= pool.shape[0]:
-        raise ValueError(f"block {rows.max_block} is outside a pool of {pool.shape[0]} blocks")
+def _check_pool_size(rows: KernelRows, num_blocks: int) -> None:
+    """The per-layer half of the kernel's index check: the tables' largest block lies in a pool of `num_blocks`."""
+    if rows.max_block >= num_blocks:
+        raise ValueError(f"block {rows.max_block} is outside a pool of {num_blocks} blocks")
 
 
 def quantized_prefills(prefills: list[PrefillChunk], metadata: AttentionMetadata) -> QuantizedPrefills:

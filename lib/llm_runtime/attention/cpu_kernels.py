@@ -8,6 +8,10 @@ float8 e4m3fn (`paged_decode_quantized`, kv_quant.py): one C function per pair o
 library is built on first use and cached (`native/build.py`), and loaded with ctypes. PyTorch tensors are
 passed as raw pointers, so the wrapper checks every dtype, layout and shape the C code assumes.
 
+`cpu_paged_attention` is both calls as one PyTorch operator, a layer's whole attention, for the engine's
+compiled forward pass (engine/compiled_forward.py): the tracer cannot see into a ctypes call, but it keeps
+an operator as one node of its graph.
+
 Without a working C compiler (or on a platform where none of the flag sets below builds),
 `load_library` raises `KernelUnavailable` with the compiler's message, and the engine picks the
 block-wise backend instead.
@@ -165,13 +169,21 @@ def _paged_decode(symbol: str, query: torch.Tensor, key_pool: torch.Tensor, valu
     if not indices_checked:
         check_indices(block_tables, seq_lens, rows, num_rows=query.shape[0], num_blocks=key_pool.shape[0],
                       block_size=block_size)
-    function = getattr(load_library(), symbol)
-    status = function(query.data_ptr(), query.stride(0), query.stride(1), key_pool.data_ptr(),
-                      value_pool.data_ptr(), None if key_scales is None else key_scales.data_ptr(),
-                      None if value_scales is None else value_scales.data_ptr(),
-                      block_tables.data_ptr(), block_tables.stride(0),
-                      seq_lens.data_ptr(), rows.data_ptr(), num_seqs, out.data_ptr(),
-                      num_heads, num_kv_heads, head_dim, block_size, head_dim ** -0.5)
+    _call_paged_decode(symbol, query, key_pool, value_pool, key_scales, value_scales, block_tables, seq_lens, rows,
+                       out)
+
+
+def _call_paged_decode(symbol: str, query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                       key_scales: torch.Tensor | None, value_scales: torch.Tensor | None, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+    """The C call `symbol` over tensors already checked."""
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_pool.shape
+    status = getattr(load_library(), symbol)(
+        query.data_ptr(), query.stride(0), query.stride(1), key_pool.data_ptr(), value_pool.data_ptr(),
+        None if key_scales is None else key_scales.data_ptr(), None if value_scales is None else value_scales.data_ptr(),
+        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), rows.data_ptr(), rows.shape[0],
+        out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, head_dim ** -0.5)
     if status != 0:
         raise ValueError(f"the C kernel does not handle {num_heads} heads over {num_kv_heads} KV heads "
                          f"of dim {head_dim} (at most 256 query heads, and heads x head dim at most 16384)")
@@ -198,14 +210,48 @@ def store_kv(key_pool: torch.Tensor, value_pool: torch.Tensor, slot_mapping: tor
             or slot_mapping.shape != (num_rows,):
         raise ValueError(f"shapes disagree: key {tuple(key.shape)}, value {tuple(value.shape)}, pools "
                          f"{tuple(key_pool.shape)} / {tuple(value_pool.shape)}, slots {tuple(slot_mapping.shape)}")
+    _call_store_kv(key_pool, value_pool, slot_mapping, key, value)
+
+
+def _call_store_kv(key_pool: torch.Tensor, value_pool: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor) -> None:
+    """The C store over tensors already checked; it checks the slots itself."""
     size = key.element_size()
+    num_slots = key_pool.shape[0] * key_pool.shape[1]
     status = load_library().store_kv(
         key.data_ptr(), key.stride(0) * size, key.stride(1) * size,
         value.data_ptr(), value.stride(0) * size, value.stride(1) * size,
-        slot_mapping.data_ptr(), num_rows, key_pool.data_ptr(), value_pool.data_ptr(),
-        key_pool.shape[0] * key_pool.shape[1], num_kv_heads, head_dim * size)
+        slot_mapping.data_ptr(), key.shape[0], key_pool.data_ptr(), value_pool.data_ptr(),
+        num_slots, key.shape[1], key.shape[2] * size)
     if status != 0:
-        raise ValueError(f"slot_mapping has a slot outside [-1, {key_pool.shape[0] * key_pool.shape[1]})")
+        raise ValueError(f"slot_mapping has a slot outside [-1, {num_slots})")
+
+
+@torch.library.custom_op("llm_runtime::cpu_paged_attention", mutates_args=("key_pool", "value_pool"))
+def cpu_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,
+                        value_pool: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`store_kv` of this step's key, value (N, KV, d), then `paged_decode` of query (N, H, d) for every row of
+    `rows`: out (N, H, d). One layer's attention as one operator, for a compiled forward pass, which checks
+    what the C code trusts once per step rather than per layer: the pools' layout when it is built, the rows'
+    indices in the plan (`check_indices`); here only what is cheap (dtypes, strides; the C store checks slots)."""
+    if not (query.dtype == key.dtype == value.dtype == key_pool.dtype == value_pool.dtype) or query.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"query, key, value and pools of one dtype in {', '.join(map(str, KERNEL_DTYPES))}")
+    if not (query.stride(-1) == key.stride(-1) == value.stride(-1) == 1 and key_pool.is_contiguous()
+            and value_pool.is_contiguous()):
+        raise ValueError("query, key and value need a contiguous last dimension, the pools to be contiguous")
+    _call_store_kv(key_pool, value_pool, slot_mapping, key, value)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # (N, H, d), contiguous
+    _call_paged_decode(KERNEL_DTYPES[query.dtype], query, key_pool, value_pool, None, None, block_tables, seq_lens,
+                       rows, out)
+    return out
+
+
+@cpu_paged_attention.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+      slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+      rows: torch.Tensor) -> torch.Tensor:
+    return torch.empty(query.shape, dtype=query.dtype, device=query.device)
 
 
 def check_indices(block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor, *, num_rows: int,

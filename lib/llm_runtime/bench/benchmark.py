@@ -126,16 +126,20 @@ class EngineRunner:
     """This package's engine: requests enter `LLMEngine` at their arrival times; one step at a time.
 
     Each run gets a fresh engine (`engine_options` are EngineConfig fields), so no run finds the
-    previous one's blocks in its prefix cache; it is shut down when the run ends.
+    previous one's blocks in its prefix cache; it is shut down when the run ends. `owns_model`: the model
+    was loaded for these engines alone (the bench command's), so they treat it as `LLM(...)` treats its own
+    (packed in place, the forward pass compiled where that applies; `LLM.from_model`).
     """
 
-    def __init__(self, model: CausalLM, name: str = "llm_runtime", **engine_options: object) -> None:
+    def __init__(self, model: CausalLM, name: str = "llm_runtime", *, owns_model: bool = False,
+                 **engine_options: object) -> None:
         self.model = model
+        self.owns_model = owns_model
         self.engine_options = engine_options
         self.name = name
 
     def run(self, workload: Workload, progress: bool = False) -> RunResult:
-        engine = LLM.from_model(self.model, None, **self.engine_options).llm_engine
+        engine = LLM.from_model(self.model, None, owns_model=self.owns_model, **self.engine_options).llm_engine
         pending = sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].arrival_time)
         finished: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(pending), desc=self.name, unit="req", disable=not progress, leave=False)

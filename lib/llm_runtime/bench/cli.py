@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--compile-pointwise", action="store_true",
                         help="engine: the layers' pointwise parts through torch.compile (default: on CUDA only)")
+    parser.add_argument("--no-compile-model", action="store_true",
+                        help="engine: the forward pass eagerly (by default on the CPU it runs as one compiled graph)")
     parser.add_argument("--enforce-eager", action="store_true", help="engine: no torch.compile, no CUDA graphs")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="engine: every step eagerly, but torch.compile where it applies (by default decode "
@@ -85,7 +87,6 @@ def run(args: argparse.Namespace) -> int:
     from .benchmark import EngineRunner, HFContinuousRunner, HFStaticRunner, run_benchmark, with_poisson_arrivals
     from ..model import load_model
     from ..model.loader import resolve_model_folder
-    from ..model.packed_linear import packing_unsupported_reason
     from .roofline import measure_peaks
 
     names = [n.strip() for n in args.runners.split(",") if n.strip()]
@@ -120,12 +121,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     out = Path(args.output_dir)
-    # The bench loaded this model for its engines alone, so it packs it as an engine that owns its model would.
-    prepack = not args.no_prepack_weights and packing_unsupported_reason(model) is None
-    # Likewise it compiles as an owning engine would: on CUDA unless --enforce-eager, or when asked.
-    compile_pointwise = args.compile_pointwise or (model.device.type == "cuda" and not args.enforce_eager)
+    # The bench loaded this model for its engines alone: they treat it as their own (EngineRunner's owns_model),
+    # packed in place and compiled where an engine that loaded its model would do it, unless told otherwise.
     engine_options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                      "prepack_weights": prepack, "compile_pointwise": compile_pointwise,
+                      "prepack_weights": False if args.no_prepack_weights else None,
+                      "compile_pointwise": True if args.compile_pointwise else None,
+                      "compile_model": False if args.no_compile_model else None,
                       "enforce_eager": args.enforce_eager, "cuda_graphs": False if args.no_cuda_graphs else None,
                       "kv_cache_dtype": args.kv_cache_dtype}
     runners = []
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         backends = [b.strip() for b in args.attention_backends.split(",") if b.strip()] or ["auto"]
         for backend in backends:
             name = "llm_runtime" if backend == "auto" else f"llm_runtime/{backend}"
-            runners.append(EngineRunner(model, name, **engine_options, attention_backend=backend))
+            runners.append(EngineRunner(model, name, owns_model=True, **engine_options, attention_backend=backend))
     if {"hf-static", "hf-continuous"} & set(names):
         from transformers import AutoModelForCausalLM
 
@@ -190,10 +191,11 @@ def _step_breakdowns(report) -> list[str]:
 
 
 def _engine_kv_cache_bytes(model: CausalLM, engine_options: dict[str, int]) -> int:
-    """The bytes of KV pool this package's engine gets with these options (built, measured, shut down)."""
+    """The bytes of KV pool this package's engine gets with these options (built, measured, shut down; not
+    compiled: that changes no memory)."""
     from ..engine.llm import LLM
 
-    with LLM.from_model(model, None, **engine_options) as llm:
+    with LLM.from_model(model, None, owns_model=True, **{**engine_options, "compile_model": False}) as llm:
         return llm.llm_engine.kv_cache.nbytes
 
 

@@ -8,8 +8,9 @@ roofline / step says how much of the step is the unavoidable part.
 
     python -m llm_runtime roofline --device cuda --dtype bfloat16 --modes eager,compiled,graphs
 
-Modes are engine settings: "eager" (enforce_eager), "compiled" (torch.compile of the pointwise parts,
-no graphs) and "graphs" (compiled, and decode steps replayed from CUDA graphs; CUDA only).
+Modes are engine settings: "eager" (enforce_eager), "compiled" (on the CPU the whole forward pass as one
+torch.compile graph, `compile_model`; on CUDA the pointwise parts compiled, no graphs) and "graphs"
+(compiled, and decode steps replayed from CUDA graphs; CUDA only).
 """
 
 from __future__ import annotations
@@ -32,9 +33,15 @@ from .roofline import measure_peaks, weight_bytes
 
 MODES: dict[str, dict[str, object]] = {
     "eager": {"enforce_eager": True},
-    "compiled": {"compile_pointwise": True, "cuda_graphs": False},
+    "compiled": {"compile_pointwise": True, "cuda_graphs": False},  # on CUDA; on the CPU, CPU_COMPILED
     "graphs": {"compile_pointwise": True, "cuda_graphs": True},
 }
+CPU_COMPILED: dict[str, object] = {"compile_model": True}  # what "compiled" is on the CPU (no graphs to replay)
+
+
+def mode_options(mode: str, device: torch.device) -> dict[str, object]:
+    """The engine settings of `mode` on `device`."""
+    return CPU_COMPILED if mode == "compiled" and device.type == "cpu" else MODES[mode]
 
 
 @dataclass(frozen=True)
@@ -83,7 +90,7 @@ def measure(model: CausalLM, modes: list[str], *, prompt_len: int = 32, num_step
         prepack_weights = packing_unsupported_reason(model) is None
     results = []
     for mode in modes:
-        seconds = decode_step_seconds(model, {**MODES[mode], "prepack_weights": prepack_weights},
+        seconds = decode_step_seconds(model, {**mode_options(mode, model.device), "prepack_weights": prepack_weights},
                                       prompt_len=prompt_len, num_steps=num_steps)
         roofline = nbytes / bandwidth
         results.append(DecodeMeasurement(mode, seconds * 1e3, 1 / seconds, nbytes / 1e6, bandwidth / 1e9,

@@ -37,6 +37,7 @@ from ..model.packed_linear import is_packed, pack_linears_, packing_unsupported_
 from ..model.tokenizer import Tokenizer
 from ..sampling import Sampler, SamplingParams
 from .block_manager import BlockManager
+from .compiled_forward import CompiledForward, compiled_forward_unavailable_reason
 from .cuda_graphs import DecodeGraphs, graph_memory_bytes, graphs_unavailable_reason
 from .host_memory import keep_freed_host_memory
 from .input_processor import EngineRequest, InputProcessor, Messages, Prompt
@@ -70,6 +71,8 @@ class EngineStats:
     prepacked_weights: bool = False  # the model's linear layers run on oneDNN-packed weights (prepack_weights)
     pointwise_ops: str = "eager"  # "compiled" when the layers' pointwise parts run through torch.compile
     cuda_graph_sizes: tuple[int, ...] = ()  # the batch sizes captured as CUDA graphs (none: every step eager)
+    compiled_model: bool = False  # steps whose attention allows it run as one compiled graph (compile_model)
+    num_compiled_steps: int = 0  # steps that ran as the compiled graph
     num_graph_replays: int = 0  # decode steps that ran from a CUDA graph
 
     @property
@@ -133,6 +136,8 @@ class LLMEngine:
                                         self.profile, self.attention_backend)
         if wants_graphs:
             self._capture_graphs()
+        if self._wants_compiled_forward(owns_model):
+            self._compile_forward()
         self.input_processor = InputProcessor(tokenizer, model.config, config, context_len=context_len,
                                               max_model_len=self.max_model_len, num_kv_blocks=num_blocks)
         self.output_processor = OutputProcessor(tokenizer)
@@ -169,6 +174,28 @@ class LLMEngine:
             logger.info("compiled the pointwise ops of %d modules", count)
         elif compiled and (self.config.enforce_eager or self.config.compile_pointwise is False):
             set_pointwise_ops_(self.model, EAGER_OPS)  # asked for eager: a model compiled by an earlier engine too
+
+    def _wants_compiled_forward(self, owns_model: bool) -> bool:
+        """Whether steps run as one compiled forward pass (compiled_forward.py): when the config says True, or
+        says None and the engine owns a CPU model whose attention backend allows it; never with enforce_eager."""
+        wanted = self.config.compile_model
+        reason = compiled_forward_unavailable_reason(self.attention_backend, self.config.kv_cache_dtype)
+        if wanted is None:
+            return (owns_model and self.model.device.type == "cpu" and reason is None and not self.config.enforce_eager
+                    and self.config.compile_pointwise is not True)
+        if wanted and reason is not None:
+            raise ValueError(f"compile_model=True, but {reason}")
+        return wanted
+
+    def _compile_forward(self) -> None:
+        """Compile the forward pass now (warm_up), not in the first request's step. The layers' pointwise parts
+        run as plain functions inside it (the graph fuses them)."""
+        set_pointwise_ops_(self.model, EAGER_OPS)
+        compiled = CompiledForward(self.model, self.kv_cache, self.attention_backend)
+        started = time.perf_counter()
+        compiled.warm_up()
+        logger.info("compiled the forward pass in %.1f s", time.perf_counter() - started)
+        self.model_runner.compiled = compiled
 
     def _wants_graphs(self) -> bool:
         """Whether decode steps will be captured in CUDA graphs (cuda_graphs.py): when the config says True,
@@ -288,6 +315,8 @@ class LLMEngine:
             pointwise_ops=pointwise_ops_of(self.model).name,
             cuda_graph_sizes=graphs.sizes if graphs is not None else (),
             num_graph_replays=graphs.num_replays if graphs is not None else 0,
+            compiled_model=self.model_runner.compiled is not None,
+            num_compiled_steps=self.model_runner.compiled.num_runs if self.model_runner.compiled is not None else 0,
         )
 
     def has_unfinished_requests(self) -> bool:

@@ -61,10 +61,13 @@ class InputBuffers:
 
     def _allocate(self, capacity: int) -> None:
         pinned = self.device.type == "cuda"
-        self.host = torch.zeros(capacity, dtype=torch.int64, pin_memory=pinned)
+        # Inference tensors, as everything a step computes is (the runner runs under inference mode): a compiled
+        # forward pass (compiled_forward.py) guards on the kind of tensor it was traced with.
+        with torch.inference_mode():
+            self.host = torch.zeros(capacity, dtype=torch.int64, pin_memory=pinned)
+            self.on_device = self.host if self.device.type == "cpu" else torch.zeros(capacity, dtype=torch.int64,
+                                                                                     device=self.device)
         self.host_np = self.host.numpy()  # the same memory, for NumPy's vectorized writes
-        self.on_device = self.host if self.device.type == "cpu" else torch.zeros(capacity, dtype=torch.int64,
-                                                                                 device=self.device)
         self.capacity = capacity
         self.num_allocations += 1
 

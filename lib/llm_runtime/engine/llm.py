@@ -42,11 +42,14 @@ class LLM:
         self._init(loaded, tokenizer, EngineConfig(**engine_options), owns_model=True)  # type: ignore[arg-type]
 
     @classmethod
-    def from_model(cls, model: CausalLM, tokenizer: Tokenizer | None, **engine_options: object) -> "LLM":
+    def from_model(cls, model: CausalLM, tokenizer: Tokenizer | None, *, owns_model: bool = False,
+                   **engine_options: object) -> "LLM":
         """An LLM around an already loaded model (lessons and tests share one model this way). The engine
-        leaves the model as it is unless asked (`prepack_weights=True` repacks its linear layers in place)."""
+        leaves the model as it is unless asked (`prepack_weights=True` repacks its linear layers in place), or
+        unless `owns_model`: the caller loaded it for this engine alone (a benchmark does), which may then
+        change it as `LLM(...)` does (pack its weights, compile its forward pass)."""
         llm = cls.__new__(cls)
-        llm._init(model, tokenizer, EngineConfig(**engine_options), owns_model=False)  # type: ignore[arg-type]
+        llm._init(model, tokenizer, EngineConfig(**engine_options), owns_model=owns_model)  # type: ignore[arg-type]
         return llm
 
     def _init(self, model: CausalLM, tokenizer: Tokenizer | None, config: EngineConfig, owns_model: bool) -> None:

@@ -9,7 +9,8 @@ shared pool through each sequence's block table (lessons 07 and 11). The step's 
 once into persistent buffers (`input_batch.py`, lesson 12).
 
 A decode-only step runs from a CUDA graph when the engine captured them (`cuda_graphs.py`, lesson 12);
-prefill and mixed steps always run eagerly.
+prefill and mixed steps always run eagerly. On the CPU, a step whose attention the backend can serve inside
+a compiled graph runs the whole forward pass as one (`compiled_forward.py`, lesson 12).
 
 The runner reads and writes the engine's pool; `kv_budget.py` decides how big it is.
 """
@@ -26,6 +27,7 @@ from ..attention.kv_cache import PagedKVCache
 from ..attention.torch_gather import TorchGatherBackend
 from ..model import CausalLM
 from ..sampling import Sampler
+from .compiled_forward import CompiledForward
 from .cuda_graphs import DecodeGraphs
 from .input_batch import InputBuffers
 from .outputs import Logprobs
@@ -81,6 +83,7 @@ class ModelRunner:
         self.profile = profile if profile is not None else StepProfile()
         self.inputs = InputBuffers(model.device, kv_cache.block_size)
         self.graphs: DecodeGraphs | None = None  # set by the engine when it captures decode steps
+        self.compiled: CompiledForward | None = None  # set by the engine when it compiles the forward pass
 
     @torch.inference_mode()
     def capture_graphs(self, graphs: DecodeGraphs) -> None:
@@ -103,6 +106,14 @@ class ModelRunner:
         kv = PagedAttentionStep(self.kv_cache, self.attention_backend, model_input.metadata, self.profile)
         prepared = time.perf_counter()
         self.profile.prepare += prepared - started
+        sampling = model_input.sampling_items
+        wants_prompt_logprobs = any(item.is_prefill and item.seq.params.prompt_logprobs is not None
+                                    for item in batch.items)  # they need every position's hidden state
+        if self.compiled is not None and not wants_prompt_logprobs:
+            logits = self.compiled.run(model_input, kv)  # (R, vocab), or None: this step's attention cannot
+            if logits is not None:
+                self.profile.forward += time.perf_counter() - prepared
+                return self._sample(batch, sampling, logits, ModelRunnerOutput()) if sampling else ModelRunnerOutput()
         hidden = self.model(model_input.input_ids, kv, model_input.positions)  # (1, N, hidden)
 
         output = ModelRunnerOutput()
@@ -111,7 +122,6 @@ class ModelRunner:
             if item.is_prefill and item.seq.params.prompt_logprobs is not None:
                 self._prompt_logprobs(item, hidden[0, offset : offset + item.num_new_tokens], output)
         # Only a sequence whose chunk reaches its last known token samples; take that position.
-        sampling = model_input.sampling_items
         if not sampling:
             self.profile.forward += time.perf_counter() - prepared
             return output

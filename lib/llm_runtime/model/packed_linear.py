@@ -22,6 +22,10 @@ Supported on the CPU in float32, and in bfloat16 where the CPU has bfloat16 inst
 when PyTorch was built with oneDNN (`torch.backends.mkldnn`). In bfloat16 on the CI machine packing
 made a 64-row step's linears 1.3x faster and a 1-row one's 2.2x, the gain shrinking to 1.1x at 256
 rows. The result differs from `nn.Linear`'s in the last bits (another order of additions).
+
+Inside a `torch.compile` graph (engine/compiled_forward.py) the product goes through `packed_linear`, an
+operator of this package's: inductor lowers oneDNN's packed product only over weights it froze into the
+graph itself, not over a packed weight the graph reads as an input.
 """
 
 from __future__ import annotations
@@ -50,6 +54,17 @@ def packing_unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
+@torch.library.custom_op("llm_runtime::packed_linear", mutates_args=())
+def packed_linear(rows: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows (M, in) @ W^T + b -> (M, out), W (out, in) in oneDNN's packed layout: one operator to torch.compile."""
+    return torch.ops.mkldnn._linear_pointwise(rows, packed_weight, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(rows: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], packed_weight.shape[0])
+
+
 class PackedLinear(nn.Module):
     """y = x W^T + b, with W kept only in oneDNN's blocked layout (an opaque tensor: its shape, not its
     storage, is visible). `weight` gives the plain (out, in) matrix back, as a new tensor."""
@@ -74,7 +89,10 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # (..., in) -> (M, in)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")  # (M, out)
+        if torch.compiler.is_compiling():  # traced: the operator (eager, its dispatch would cost 5-10 us a call)
+            out = packed_linear(rows, self.packed_weight, self.bias)  # (M, out)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:

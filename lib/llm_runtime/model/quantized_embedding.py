@@ -48,33 +48,53 @@ class Q8Table(nn.Module):
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` (...) of the table in the compute dtype: (..., hidden)."""
-        flat = index.reshape(-1)
-        q = self.q[:, flat].to(self.dtype) * self.d[:, flat, None]  # (blocks, n, 32)
-        return q.transpose(0, 1).reshape(*index.shape, self.hidden_size)
+        return _dequantized_rows(self.q, self.d, index.reshape(-1)).reshape(*index.shape, self.hidden_size)
 
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
         """x (M, hidden) @ table^T -> (M, vocab)."""
-        x = x.to(self.dtype)
-        if x.device.type == "cpu" and kernels_unavailable_reason() is None:  # this package's C kernels
-            if x.shape[0] <= SMALL_M:
-                return q8_matmul(x.contiguous(), self.q, self.d)
-            out = x.new_empty(x.shape[0], self.vocab_size)
-            for start in range(0, self.vocab_size, TILE_ROWS):
-                tile = q8_dequantize(self.q, self.d, start, min(start + TILE_ROWS, self.vocab_size))  # (tile, hidden)
-                out[:, start : start + tile.shape[0]] = x @ tile.t()  # (M, tile)
-            return out
+        product = q8_matmul_t if torch.compiler.is_compiling() else q8_product  # traced: one operator
+        return product(x.to(self.dtype), self.q, self.d)
+
+
+def q8_product(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x (M, hidden) @ W^T -> (M, vocab) for a block-major Q8_0 table q (blocks, vocab, 32), d (blocks, vocab) in
+    x's dtype, by the kernel that suits M (module docstring)."""
+    vocab = q.shape[1]
+    if x.device.type == "cpu" and kernels_unavailable_reason() is None:  # this package's C kernels
         if x.shape[0] <= SMALL_M:
-            out = None
-            for block in range(self.q.shape[0]):  # sum over blocks of x_b @ (d_b * q_b)^T
-                part = torch._weight_int8pack_mm(x[:, block * BLOCK : (block + 1) * BLOCK].contiguous(),
-                                                 self.q[block], self.d[block])  # (M, vocab)
-                out = part if out is None else out.add_(part)
-            return out
-        out = x.new_empty(x.shape[0], self.vocab_size)
-        for start in range(0, self.vocab_size, TILE_ROWS):
-            tile = self.rows(torch.arange(start, min(start + TILE_ROWS, self.vocab_size), device=x.device))
+            return q8_matmul(x.contiguous(), q, d)
+        out = x.new_empty(x.shape[0], vocab)
+        for start in range(0, vocab, TILE_ROWS):
+            tile = q8_dequantize(q, d, start, min(start + TILE_ROWS, vocab))  # (tile, hidden)
             out[:, start : start + tile.shape[0]] = x @ tile.t()  # (M, tile)
         return out
+    if x.shape[0] <= SMALL_M:
+        out = None
+        for block in range(q.shape[0]):  # sum over blocks of x_b @ (d_b * q_b)^T
+            part = torch._weight_int8pack_mm(x[:, block * BLOCK : (block + 1) * BLOCK].contiguous(), q[block],
+                                             d[block])  # (M, vocab)
+            out = part if out is None else out.add_(part)
+        return out
+    out = x.new_empty(x.shape[0], vocab)
+    for start in range(0, vocab, TILE_ROWS):
+        tile = _dequantized_rows(q, d, torch.arange(start, min(start + TILE_ROWS, vocab), device=x.device))
+        out[:, start : start + tile.shape[0]] = x @ tile.t()  # (M, tile)
+    return out
+
+
+def _dequantized_rows(q: torch.Tensor, d: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` (n,) of a block-major Q8_0 table in d's dtype: (n, hidden)."""
+    rows = q.permute(1, 0, 2)[index].to(d.dtype) * d.t()[index][..., None]  # (n, blocks, 32), contiguous
+    return rows.flatten(1)
+
+
+# `q8_product` as one operator for torch.compile (engine/compiled_forward.py), as `int4_matmul` is.
+q8_matmul_t = torch.library.custom_op("llm_runtime::q8_matmul_t", q8_product, mutates_args=())
+
+
+@q8_matmul_t.register_fake
+def _(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], q.shape[1])
 
 
 class Q8Embedding(nn.Module):

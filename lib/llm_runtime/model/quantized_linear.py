@@ -137,27 +137,44 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # (..., in) -> (M, in)
-        scales_and_zeros = self.scales_and_zeros.to(x.dtype)
-        if self._dense_here(rows):  # the weight back in x's dtype, then the dense product
-            out = rows @ int4_dequantize_t(self.packed, scales_and_zeros, self.in_features, self.group_size)
-        elif self.packed.device.type == "cuda":
-            out = torch.ops.aten._weight_int4pack_mm(rows, self.packed, self.group_size, scales_and_zeros)
-        else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, scales_and_zeros)
+        product = int4_matmul if torch.compiler.is_compiling() else int4_product  # traced: one operator
+        out = product(rows, self.packed, self.group_size, self.scales_and_zeros.to(x.dtype))
         out = out[:, : self.out_features]  # drop the padding rows' outputs
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
-    def _dense_here(self, rows: torch.Tensor) -> bool:
-        """On the CPU, more than DENSE_ROWS rows (or float32 at any count, where PyTorch's int4 kernel is
-        slow) run as a dense product over the weight turned back by the C kernel, where it builds."""
-        return (self.packed.device.type == "cpu" and (rows.shape[0] > DENSE_ROWS or rows.dtype == torch.float32)
-                and kernels_unavailable_reason() is None)
-
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"int4 in groups of {self.group_size}")
+
+
+def int4_product(rows: torch.Tensor, packed: torch.Tensor, group_size: int,
+                 scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """rows (M, K) @ W^T -> (M, N padded) for a weight in the int4 kernels' packing, by the kernel that
+    suits M: PyTorch's int4 kernel at a few rows, the weight turned back for a dense product at many."""
+    if _dense_here(rows, packed):  # the weight back in rows' dtype, then the dense product
+        return rows @ int4_dequantize_t(packed, scales_and_zeros, rows.shape[1], group_size)
+    if packed.device.type == "cuda":
+        return torch.ops.aten._weight_int4pack_mm(rows, packed, group_size, scales_and_zeros)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_and_zeros)
+
+
+# `int4_product` as one operator for torch.compile (engine/compiled_forward.py): the tracer cannot see into
+# the C kernel, and the choice by row count stays inside, so one graph serves every row count.
+int4_matmul = torch.library.custom_op("llm_runtime::int4_matmul", int4_product, mutates_args=())
+
+
+@int4_matmul.register_fake
+def _(rows: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], scales_and_zeros.shape[1])  # (M, N padded)
+
+
+def _dense_here(rows: torch.Tensor, packed: torch.Tensor) -> bool:
+    """On the CPU, more than DENSE_ROWS rows (or float32 at any count, where PyTorch's int4 kernel is
+    slow) run as a dense product over the weight turned back by the C kernel, where it builds."""
+    return (packed.device.type == "cpu" and (rows.shape[0] > DENSE_ROWS or rows.dtype == torch.float32)
+            and kernels_unavailable_reason() is None)
 
 
 def _pack_int4(q: torch.Tensor) -> torch.Tensor:
