@@ -47,3 +47,16 @@ def test_the_command_writes_its_table(tiny_loaded, tmp_path, capsys) -> None:
     assert main(["roofline", "--modes", "eager", "--num-steps", "3", "--output-dir", str(tmp_path)]) == 0
     assert "| eager |" in capsys.readouterr().out
     assert (tmp_path / "roofline.json").exists() and (tmp_path / "roofline.md").exists()
+
+
+def test_engines_stepped_in_turn_are_each_timed_and_left_idle(tiny_pairs) -> None:
+    from llm_runtime import EngineConfig, LLMEngine
+    from llm_runtime.bench.decode_roofline import interleaved_step_seconds
+
+    model = copy.deepcopy(tiny_pairs["llama3"][0]).float()
+    engines = {name: LLMEngine(model, None, EngineConfig(num_kv_blocks=8, attention_backend=backend))
+               for name, backend in (("a", "torch-gather"), ("b", "blockwise"))}
+    seconds = interleaved_step_seconds(engines, prompt_len=5, num_steps=3, warmup=1)
+    assert set(seconds) == {"a", "b"} and all(s > 0 for s in seconds.values())
+    assert not any(engine.has_unfinished_requests() for engine in engines.values())
+    assert all(engine.stats().num_free_blocks == 8 for engine in engines.values())

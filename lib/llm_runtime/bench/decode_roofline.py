@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine import LLM
+from ..engine import LLM, LLMEngine
 from ..model import CausalLM
 from ..model.packed_linear import packing_unsupported_reason
 from ..sampling import SamplingParams
@@ -55,22 +55,38 @@ class DecodeMeasurement:
     roofline_fraction: float  # roofline_ms / step_ms
 
 
-def decode_step_seconds(model: CausalLM, engine_options: dict[str, object], *, prompt_len: int = 32,
-                        num_steps: int = 64, warmup: int = 8) -> float:
-    """Median seconds of an engine step decoding one sequence (after its prefill and `warmup` steps)."""
-    engine = LLM.from_model(model, None, max_num_seqs=1, **engine_options).llm_engine
-    prompt = torch.randint(3, model.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0))
-    engine.add_request("decode", {"prompt_token_ids": prompt.tolist()},
-                       SamplingParams(temperature=0, max_tokens=warmup + num_steps + 2, ignore_eos=True))
-    for _ in range(1 + warmup):  # the prefill, then steps that may still compile or warm caches
-        engine.step()
-    times = []
+def decode_step_seconds(model: CausalLM, engine_options: dict[str, object], *, owns_model: bool = False,
+                        prompt_len: int = 32, num_steps: int = 64, warmup: int = 8) -> float:
+    """Median seconds of an engine step decoding one sequence (after its prefill and `warmup` steps).
+    `owns_model`: the engine treats the model as its own (`LLM.from_model`: packed, compiled where it applies)."""
+    engine = LLM.from_model(model, None, max_num_seqs=1, owns_model=owns_model, **engine_options).llm_engine
+    try:
+        return interleaved_step_seconds({"engine": engine}, prompt_len=prompt_len, num_steps=num_steps,
+                                        warmup=warmup)["engine"]
+    finally:
+        engine.shutdown()
+
+
+def interleaved_step_seconds(engines: dict[str, LLMEngine], *, prompt_len: int = 32, num_steps: int = 64,
+                             warmup: int = 8) -> dict[str, float]:
+    """Median seconds of a step decoding one sequence in each engine (idle ones), the engines stepping in turn:
+    on a noisy machine a slow moment slows every engine alike, so their ratios hold."""
+    for engine in engines.values():
+        vocab_size = engine.model.config.vocab_size
+        prompt = torch.randint(3, vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0))
+        engine.add_request("decode", {"prompt_token_ids": prompt.tolist()},
+                           SamplingParams(temperature=0, max_tokens=warmup + num_steps + 2, ignore_eos=True))
+        for _ in range(1 + warmup):  # the prefill, then steps that may still compile or warm caches
+            engine.step()
+    times: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(num_steps):
-        start = time.perf_counter()
-        engine.step()  # returns after the sampled token reached the host: the GPU's work is done
-        times.append(time.perf_counter() - start)
-    engine.shutdown()
-    return statistics.median(times)
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            engine.step()  # returns after the sampled token reached the host: the GPU's work is done
+            times[name].append(time.perf_counter() - start)
+    for engine in engines.values():
+        engine.abort_request("decode")
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
 def measure(model: CausalLM, modes: list[str], *, prompt_len: int = 32, num_steps: int = 64,
