@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
-    from .bench.cli import add_arguments
+    from .bench.cli import add_arguments, speculative_config
 
     add_arguments(commands.add_parser("bench", help="benchmark the engine against transformers"))
     from .bench import decode_roofline
@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="fraction of device memory this process may use (another process on the GPU? lower it)")
     srv.add_argument("--kv-cache-memory", type=int, default=None, help="the KV pool in bytes (default: the rule)")
     srv.add_argument("--enforce-eager", action="store_true", help="no torch.compile, no CUDA graphs")
+    srv.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
+                     help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     srv.add_argument("--check-invariants", action="store_true", help="check the scheduler's books every step")
     args = parser.parse_args(argv)
 
@@ -92,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                                                             kv_cache_memory=args.kv_cache_memory,
                                                             kv_cache_dtype=args.kv_cache_dtype,
                                                             check_invariants=args.check_invariants,
-                                                            enforce_eager=args.enforce_eager),
+                                                            enforce_eager=args.enforce_eager,
+                                                            speculative_config=args.speculative_config),
                              owns_model=True)
 
         # Built on the thread that will run its steps: PyTorch's CPU threads stay one team (async_engine.py).

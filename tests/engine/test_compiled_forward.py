@@ -65,6 +65,24 @@ def test_compiled_steps_give_the_eager_tokens_with_one_graph(tiny_pairs) -> None
     assert not stats[False].compiled_model and stats[False].num_compiled_steps == 0
 
 
+def test_verification_chunks_run_in_the_same_graph(tiny_pairs) -> None:
+    """Speculative decoding (lesson 14): k + 1 tokens per speculating sequence and k + 1 logits rows, in the
+    graph already compiled; the eager engine's greedy tokens, no recompilation."""
+    from test_speculative_decoding import NGRAM, repetitive_workload
+
+    model = _float32(tiny_pairs)
+    workload = repetitive_workload(model.config.vocab_size, 12, seed=3)
+    expected = run_all(LLMEngine(model, None, _pressed(model, workload)), workload, arrive_every=1)
+    engine = LLMEngine(model, None, _pressed(model, workload, compile_model=True, speculative_config=NGRAM))
+    built = _graphs_compiled()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert run_all(engine, workload, arrive_every=1) == expected
+    assert _graphs_compiled() == built
+    stats = engine.stats()
+    assert stats.num_compiled_steps > 10 and stats.num_accepted_tokens > 10
+    assert_no_leak(engine)
+
+
 def test_long_chunks_and_prompt_logprobs_run_eagerly(tiny_pairs) -> None:
     """A step with a prefill chunk the kernel does not take (here: more than 8 rows), or a request that wants
     prompt logprobs, runs eagerly; the others compiled; tokens and logprobs are the eager engine's."""

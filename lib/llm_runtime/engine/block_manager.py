@@ -175,6 +175,17 @@ class BlockManager:
             table.append(self.allocator.allocate())
         return copies
 
+    def trim(self, seq_key: Hashable, num_tokens: int) -> None:
+        """Free the blocks past the first `num_tokens` tokens' (slots of rejected speculative drafts): the last
+        blocks of the table, never named, held by this sequence alone (it allocated them this step)."""
+        table = self.block_tables[seq_key]
+        keep = self.blocks_needed(num_tokens)
+        if keep < len(self._chains[seq_key]):
+            raise ValueError(f"cannot trim {seq_key!r} to {num_tokens} tokens: its blocks up to "
+                             f"{len(self._chains[seq_key])} are computed")
+        while len(table) > keep:
+            self.allocator.decref(table.pop())
+
     def fork(self, parent_key: Hashable, child_key: Hashable) -> None:
         """The child shares every block of the parent (parallel sampling: one prompt, n completions)."""
         if child_key in self.block_tables:

@@ -37,6 +37,10 @@ from ..model.packed_linear import is_packed, pack_linears_, packing_unsupported_
 from ..model.tokenizer import Tokenizer
 from ..sampling import Sampler, SamplingParams
 from .block_manager import BlockManager
+from ..spec_decode.draft_model import DraftModelProposer, load_draft_model
+from ..spec_decode.ngram import NgramProposer
+from ..spec_decode.proposer import Proposer
+from ..spec_decode.stats import SpeculationStats
 from .compiled_forward import CompiledForward, compiled_forward_unavailable_reason
 from .cuda_graphs import DecodeGraphs, graph_memory_bytes, graphs_unavailable_reason
 from .host_memory import keep_freed_host_memory
@@ -74,6 +78,10 @@ class EngineStats:
     compiled_model: bool = False  # steps whose attention allows it run as one compiled graph (compile_model)
     num_compiled_steps: int = 0  # steps that ran as the compiled graph
     num_graph_replays: int = 0  # decode steps that ran from a CUDA graph
+    # Speculative decoding (lesson 14): drafts verified, drafts kept, and [a]: verifications that kept a drafts.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_length_counts: tuple[int, ...] = ()
 
     @property
     def num_used_blocks(self) -> int:
@@ -84,15 +92,27 @@ class EngineStats:
         queried = self.prefix_cache_queried_tokens
         return self.prefix_cache_hit_tokens / queried if queried else 0.0
 
+    @property
+    def acceptance_rate(self) -> float:
+        """Kept drafts over verified drafts (0 without speculation)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a sequence gained per verification: the drafts it kept and the one drawn after them."""
+        verifications = sum(self.accepted_length_counts)
+        return 1 + self.num_accepted_tokens / verifications if verifications else 0.0
+
 
 class LLMEngine:
     """Holds the KV pool, the scheduler, the model runner and every live request."""
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer | None, config: EngineConfig | None = None, *,
-                 owns_model: bool = False) -> None:
+                 owns_model: bool = False, draft_model: CausalLM | None = None) -> None:
         """`owns_model`: the caller loaded `model` for this engine alone (`LLM(...)`, `serve`), so the engine
         may change it in place (`prepack_weights`); a model passed in from outside is left as it is unless
-        the config asks."""
+        the config asks. `draft_model`: an already loaded draft for a "draft" `speculative_config` (else the
+        engine loads the one the config names)."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
@@ -107,6 +127,7 @@ class LLMEngine:
                              f"fit in one step (max_model_len <= max_num_batched_tokens + 1)")
         self._pack_linears(owns_model)  # before the KV budget, which counts the weights as they end up
         self._compile_pointwise(owns_model)
+        self.proposer = self._make_proposer(draft_model)  # a draft model's weights count in the budget too
         if model.device.type == "cpu":
             keep_freed_host_memory()  # a step's temporaries reuse memory instead of page-faulting (host_memory.py)
         block_size = config.block_size
@@ -142,6 +163,8 @@ class LLMEngine:
                                               max_model_len=self.max_model_len, num_kv_blocks=num_blocks)
         self.output_processor = OutputProcessor(tokenizer)
         self.step_records: list[StepRecord] = []
+        spec = config.speculative_config
+        self.spec_stats = SpeculationStats(spec.num_speculative_tokens) if spec is not None else None
         self.num_failed_requests = 0
         self._num_steps = 0
         self._num_idle_steps = 0  # consecutive steps that scheduled nothing while requests were left
@@ -174,6 +197,22 @@ class LLMEngine:
             logger.info("compiled the pointwise ops of %d modules", count)
         elif compiled and (self.config.enforce_eager or self.config.compile_pointwise is False):
             set_pointwise_ops_(self.model, EAGER_OPS)  # asked for eager: a model compiled by an earlier engine too
+
+    def _make_proposer(self, draft_model: CausalLM | None) -> Proposer | None:
+        """The speculative proposer the config asks for (spec_decode/), or None: one token per step."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft":
+            if draft_model is not None:
+                raise ValueError('a draft_model is for speculative_config={"method": "draft", ...}')
+            if spec is None:
+                return None
+            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
+        if draft_model is None:
+            draft_model = load_draft_model(spec, self.model)
+        elif draft_model.config.vocab_size != self.model.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) is not the "
+                             f"target's ({self.model.config.vocab_size})")
+        return DraftModelProposer(draft_model, spec.num_speculative_tokens, seed=self.config.seed)
 
     def _wants_compiled_forward(self, owns_model: bool) -> bool:
         """Whether steps run as one compiled forward pass (compiled_forward.py): when the config says True, or
@@ -317,6 +356,10 @@ class LLMEngine:
             num_graph_replays=graphs.num_replays if graphs is not None else 0,
             compiled_model=self.model_runner.compiled is not None,
             num_compiled_steps=self.model_runner.compiled.num_runs if self.model_runner.compiled is not None else 0,
+            **({} if self.spec_stats is None else dict(
+                num_draft_tokens=self.spec_stats.num_draft_tokens,
+                num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+                accepted_length_counts=tuple(self.spec_stats.accepted_counts))),
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -327,8 +370,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, run the model, postprocess; returns outputs of requests that progressed."""
+        """One iteration: (propose,) schedule, run the model, postprocess; returns outputs of requests that
+        progressed."""
         start = time.perf_counter()
+        if self.proposer is not None:
+            self._propose()
+            proposed = time.perf_counter()
+            self.profile.propose += proposed - start
+            start = proposed
         batch = self.scheduler.schedule()
         self._num_idle_steps = 0 if batch.items or not self.has_unfinished_requests() else self._num_idle_steps + 1
         if not batch.items:
@@ -339,7 +388,8 @@ class LLMEngine:
         self.profile.schedule += scheduled - start
         result = self._run(batch)
         now = time.perf_counter()
-        self.scheduler.postprocess(batch, result.sampled, now)
+        self._record_speculation(batch, result)
+        self.scheduler.postprocess(batch, result.sampled, now, result.accepted)
         for seq, chunk_start, entries in result.prompt_logprobs:
             self.output_processor.add_prompt_logprobs(seq.request_id, chunk_start, entries)
         outputs, finished = self.output_processor.process(batch.request_ids, result.logprobs, now)
@@ -352,6 +402,21 @@ class LLMEngine:
         if self.config.check_invariants:
             self.check_invariants()
         return outputs
+
+    def _propose(self) -> None:
+        """Guesses for every running sequence whose next step is a decode; the proposer drops what it kept for
+        sequences that left (finished, or preempted: they start again)."""
+        scheduler = self.scheduler
+        self.proposer.propose([seq for seq in scheduler.running
+                               if seq.num_uncomputed_tokens == 1 and seq not in scheduler.forks])
+        self.proposer.keep_only(set(scheduler.running))
+
+    def _record_speculation(self, batch: ScheduledBatch, result: ModelRunnerOutput) -> None:
+        if self.spec_stats is None:
+            return
+        for item in batch.items:
+            if item.draft_token_ids and item.seq in result.accepted:
+                self.spec_stats.record(len(item.draft_token_ids), len(result.accepted[item.seq]))
 
     def _run(self, batch: ScheduledBatch) -> ModelRunnerOutput:
         """Run the step; if it fails, run it again one request at a time and fail only the requests
@@ -373,6 +438,7 @@ class LLMEngine:
                 self.num_failed_requests += 1
                 continue
             result.sampled.update(partial.sampled)
+            result.accepted.update(partial.accepted)
             result.logprobs.update(partial.logprobs)
             result.prompt_logprobs += partial.prompt_logprobs
         return result

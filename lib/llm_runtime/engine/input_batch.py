@@ -40,8 +40,10 @@ class ModelInput:
     input_ids: torch.Tensor  # (1, N) int64: every scheduled token, sequence after sequence
     positions: torch.Tensor  # (1, N) int64: each token's position in its sequence
     metadata: AttentionMetadata  # offsets, lengths, block tables and slots, for every attention layer
-    logits_indices: torch.Tensor  # (R,) int64: the flat row of the last token of each sequence that samples
-    sampling_items: tuple[int, ...]  # which of the batch's items sample (R of them), in row order
+    # (R,) int64: the flat rows whose logits are sampled: each sampling sequence's last token, and before it
+    # the rows of the drafts it verifies (1 + k rows for k drafts, lesson 14)
+    logits_indices: torch.Tensor
+    sampling_items: tuple[int, ...]  # which of the batch's items sample, in row order
     query_start_host: tuple[int, ...]  # (B + 1,) where each item's rows start, on the host
 
     @property
@@ -86,7 +88,10 @@ class InputBuffers:
             if len(item.block_table) * self.block_size < length:
                 raise ValueError(f"a block table of {len(item.block_table)} blocks cannot hold {length} tokens")
         sampling = tuple(i for i, item in enumerate(items) if item.samples)
-        num_sampling = len(sampling)
+        # A sequence verifying k drafts samples from the logits of its last k + 1 rows (lesson 14).
+        rows_per_item = np.fromiter((1 + len(items[i].draft_token_ids) for i in sampling), dtype=np.int64,
+                                    count=len(sampling))
+        num_sampling = int(rows_per_item.sum())
 
         # One int64 buffer, in segments: ids, positions, slots (N each), logits rows (R), offsets (B + 1),
         # lengths (B), block tables (B x width).
@@ -99,8 +104,7 @@ class InputBuffers:
             host[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
 
         # Token ids come from each sequence's list; everything else is arithmetic on whole arrays.
-        ids[:] = np.fromiter((t for item in items for t in item.seq.token_ids(item.start, item.start + item.num_new_tokens)),
-                             dtype=np.int64, count=num_tokens)
+        ids[:] = np.fromiter((t for item in items for t in item.token_ids()), dtype=np.int64, count=num_tokens)
         seq_of_token = np.repeat(np.arange(num_seqs), counts)  # (N,)
         positions[:] = np.arange(num_tokens) - offsets[:-1][seq_of_token] + starts[seq_of_token]
         table = tables.reshape(num_seqs, width)  # (B, width), padded with block 0
@@ -109,7 +113,7 @@ class InputBuffers:
             table[row, : len(item.block_table)] = item.block_table
         if num_tokens:
             slots[:] = table[seq_of_token, positions // self.block_size] * self.block_size + positions % self.block_size
-        logits_rows[:] = offsets[1:][list(sampling)] - 1
+        logits_rows[:] = _last_rows(offsets[1:][list(sampling)], rows_per_item)
         query_start[:] = offsets
         lengths[:] = seq_lens
 
@@ -129,3 +133,10 @@ class InputBuffers:
         )
         return ModelInput(input_ids=views[0][None], positions=views[1][None], metadata=metadata,
                           logits_indices=views[3], sampling_items=sampling, query_start_host=tuple(offsets.tolist()))
+
+
+def _last_rows(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """For items ending before rows ends (S,), their last counts (S,) rows each, in order: (sum of counts,)."""
+    firsts = np.repeat(ends - counts, counts)  # each row's item's first sampled row
+    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)  # 0 .. count - 1
+    return firsts + within

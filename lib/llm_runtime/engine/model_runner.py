@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 
 from ..attention.backend import AttentionBackend, PagedAttentionStep
@@ -27,23 +28,25 @@ from ..attention.kv_cache import PagedKVCache
 from ..attention.torch_gather import TorchGatherBackend
 from ..model import CausalLM
 from ..sampling import Sampler
+from ..sampling.rejection import RejectionSampler
 from .compiled_forward import CompiledForward
 from .cuda_graphs import DecodeGraphs
 from .input_batch import InputBuffers
 from .outputs import Logprobs
 from .scheduler import ScheduledBatch, ScheduledSequence
-from .sequence import Sequence, sample_sequences
+from .sequence import Sequence, sample_sequences, verify_drafts
 
 _PROMPT_LOGPROB_ROWS = 256  # prompt positions turned into logits at once (each row is vocab-sized)
 
 
 @dataclass
 class StepProfile:
-    """Seconds spent in each phase of the engine's steps, summed over steps (the runner fills the
-    middle three, the engine the first and the last). On CUDA, kernels run asynchronously: their
+    """Seconds spent in each phase of the engine's steps, summed over steps (the runner fills prepare,
+    forward and sample, the engine the others). On CUDA, kernels run asynchronously: their
     time lands in `sample`, where the one device-to-host copy of the step waits for them."""
 
     num_steps: int = 0
+    propose: float = 0.0  # speculative decoding's proposer (lesson 14): guesses for the decoding sequences
     schedule: float = 0.0  # Scheduler.schedule: admission, blocks, preemption
     prepare: float = 0.0  # model inputs: token ids, positions, slot mapping, block tables
     forward: float = 0.0  # the model and the logits
@@ -54,7 +57,7 @@ class StepProfile:
     attention: float = 0.0
 
     def fractions(self) -> dict[str, float]:
-        """Each phase's share of step time (the five phases sum to 1), and attention's share of it."""
+        """Each phase's share of step time (the phases sum to 1), and attention's share of it."""
         phases = [f.name for f in fields(self) if f.name not in ("num_steps", "attention")]
         total = sum(getattr(self, name) for name in phases) or 1.0
         return {**{name: getattr(self, name) / total for name in phases}, "attention": self.attention / total}
@@ -62,11 +65,13 @@ class StepProfile:
 
 @dataclass
 class ModelRunnerOutput:
-    """What one step computed: a token (and logprobs, if asked) for each sequence that sampled, and
-    the logprobs of prompt tokens for prefill chunks whose request asked for them."""
+    """What one step computed: a token (and logprobs, if asked) for each sequence that sampled, the drafts
+    each speculating sequence keeps before it, and the logprobs of prompt tokens for prefill chunks whose
+    request asked for them."""
 
     sampled: dict[Sequence, int] = field(default_factory=dict)
-    logprobs: dict[Sequence, Logprobs] = field(default_factory=dict)
+    accepted: dict[Sequence, list[int]] = field(default_factory=dict)  # kept drafts, before the sampled token
+    logprobs: dict[Sequence, list[Logprobs]] = field(default_factory=dict)  # per new token: kept drafts, sampled
     # (sequence, chunk start, logprobs of prompt tokens start + 1, start + 2, ...)
     prompt_logprobs: list[tuple[Sequence, int, list[Logprobs]]] = field(default_factory=list)
 
@@ -78,6 +83,7 @@ class ModelRunner:
                  profile: StepProfile | None = None, attention_backend: AttentionBackend | None = None) -> None:
         self.model = model
         self.sampler = sampler
+        self.rejection_sampler = RejectionSampler(sampler)  # drafts verified (lesson 14)
         self.kv_cache = kv_cache
         self.attention_backend = attention_backend if attention_backend is not None else TorchGatherBackend()
         self.profile = profile if profile is not None else StepProfile()
@@ -131,21 +137,44 @@ class ModelRunner:
 
     def _sample(self, batch: ScheduledBatch, sampling: tuple[int, ...], logits: torch.Tensor,
                 output: ModelRunnerOutput) -> ModelRunnerOutput:
-        """Sample one token for each of the items `sampling` names, from their logits rows (R, vocab)."""
+        """A token for each of the items `sampling` names, from their logits rows (R, vocab): one row per item,
+        or 1 + k rows for an item verifying k drafts (the rejection sampler keeps some, then draws one)."""
         computed = time.perf_counter()
-        seqs = [batch.items[i].seq for i in sampling]
-        out = sample_sequences(self.sampler, logits, seqs)
-        sampled = out.token_ids.tolist()  # one host-device sync per step
+        items = [batch.items[i] for i in sampling]
+        first_rows = np.cumsum([0] + [1 + len(item.draft_token_ids) for item in items])[:-1].tolist()
+        plain = [j for j, item in enumerate(items) if not item.draft_token_ids]
+        speculating = [j for j, item in enumerate(items) if item.draft_token_ids]
+        if plain:
+            plain_logits = logits if not speculating else logits[torch.tensor([first_rows[j] for j in plain],
+                                                                              device=logits.device)]
+            seqs = [items[j].seq for j in plain]
+            out = sample_sequences(self.sampler, plain_logits, seqs)
+            sampled = out.token_ids.tolist()  # one host-device sync per step
+            output.sampled.update(zip(seqs, sampled))
+            if out.logprobs is not None:  # some row asked for logprobs: one more copy to the host
+                sampled_logprobs = out.logprobs.tolist()
+                top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+                top_logprobs = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+                for row, seq in enumerate(seqs):
+                    k = seq.params.logprobs
+                    if k is not None:
+                        output.logprobs[seq] = [_entry(sampled[row], sampled_logprobs[row], top_ids, top_logprobs,
+                                                       row, k)]
+        if speculating:
+            rows = [first_rows[j] + r for j in speculating for r in range(1 + len(items[j].draft_token_ids))]
+            spec_logits = logits[torch.tensor(rows, device=logits.device)]  # (sum of k + 1, vocab)
+            spec_items = [items[j] for j in speculating]
+            verified = verify_drafts(self.rejection_sampler, spec_logits, spec_items)
+            offset = 0
+            for item, kept, token in zip(spec_items, verified.accepted, verified.next_token_ids):
+                seq = item.seq
+                output.accepted[seq], output.sampled[seq] = kept, token
+                if seq.params.logprobs is not None:
+                    emitted = [*kept, token]
+                    positions = spec_logits[offset : offset + len(emitted)]  # the rows that emitted them
+                    output.logprobs[seq] = _logprob_entries(positions, emitted, seq.params.logprobs)
+                offset += 1 + len(item.draft_token_ids)
         self.profile.sample += time.perf_counter() - computed
-        output.sampled = dict(zip(seqs, sampled))
-        if out.logprobs is not None:  # some row asked for logprobs: one more copy to the host
-            sampled_logprobs = out.logprobs.tolist()
-            top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
-            top_logprobs = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-            for row, seq in enumerate(seqs):
-                k = seq.params.logprobs
-                if k is not None:
-                    output.logprobs[seq] = _entry(sampled[row], sampled_logprobs[row], top_ids, top_logprobs, row, k)
         return output
 
     def _prompt_logprobs(self, item: ScheduledSequence, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
@@ -159,15 +188,20 @@ class ModelRunner:
         entries: list[Logprobs] = []
         for begin in range(0, num_rows, _PROMPT_LOGPROB_ROWS):
             end = min(begin + _PROMPT_LOGPROB_ROWS, num_rows)
-            logprobs = self.model.compute_logits(hidden[begin:end]).float().log_softmax(dim=-1)  # (rows, vocab)
-            chosen = logprobs.gather(1, targets[begin:end, None])[:, 0].tolist()
-            top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-            top_ids_list = None if top_ids is None else top_ids.tolist()  # one copy to the host per slice
-            top_values_list = None if top_values is None else top_values.tolist()
-            entries += [_entry(token, chosen[row], top_ids_list, top_values_list, row, k)
-                        for row, token in enumerate(targets[begin:end].tolist())]
+            entries += _logprob_entries(self.model.compute_logits(hidden[begin:end]), targets[begin:end].tolist(), k)
         if entries:
             output.prompt_logprobs.append((seq, item.start, entries))
+
+
+def _logprob_entries(logits: torch.Tensor, tokens: list[int], k: int) -> list[Logprobs]:
+    """Per row of logits (T, vocab), the logprob of tokens[t] and the k likeliest, from the model's raw
+    distribution, as the Sampler reports them."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    top_ids_list = None if top_ids is None else top_ids.tolist()
+    top_values_list = None if top_values is None else top_values.tolist()
+    return [_entry(token, chosen[t], top_ids_list, top_values_list, t, k) for t, token in enumerate(tokens)]
 
 
 def _entry(token: int, logprob: float, top_ids: list[list[int]] | None, top_logprobs: list[list[float]] | None,

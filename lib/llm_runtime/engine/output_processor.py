@@ -47,23 +47,28 @@ class SequenceText:
 
     def append(self, seq: Sequence, now: float) -> bool:
         """Add the text of the token `seq` just appended. If a stop string now ends the text, cut it
-        there, finish `seq` with that string as its stop reason (even if max_tokens ended it in this
-        same step, as vLLM does) and return True."""
+        there, finish `seq` with that string as its stop reason (even if max_tokens ended it in this same
+        step, as vLLM does) and return True."""
+        return self.append_output(seq, seq.num_output_tokens - 1, True, now)
+
+    def append_output(self, seq: Sequence, index: int, last: bool, now: float) -> bool:
+        """`append` for output token `index` of `seq`; `last`: the last token its step appended (a speculative
+        step appends kept drafts before it, lesson 14), the one a token stop rule may have ended it on."""
         if self.detokenizer is None:
             return False
-        params = self.params
-        if seq.status is SequenceStatus.FINISHED_STOPPED:  # just now, by EOS or a stop token
+        params, token_id = self.params, seq.output_token_ids[index]
+        if last and seq.status is SequenceStatus.FINISHED_STOPPED:  # just now, by EOS or a stop token
             if params.include_stop_str_in_output:
-                self.pending += self.detokenizer.add(seq.output_token_ids[-1]) + self.detokenizer.flush()
+                self.pending += self.detokenizer.add(token_id) + self.detokenizer.flush()
             return False  # as vLLM does, the stopping token's own text is not output
-        new = self.detokenizer.add(seq.output_token_ids[-1])
+        new = self.detokenizer.add(token_id)
         self.pending += new
-        if new and params.stop and seq.num_output_tokens >= params.min_tokens:
+        if new and params.stop and index + 1 >= params.min_tokens:
             stop = self._find_stop(len(new))
             if stop is not None:
                 seq.finish(SequenceStatus.FINISHED_STOPPED, now, stop)
                 return True
-        if seq.is_finished:  # by length: the rest of an incomplete character goes out too
+        if last and seq.is_finished:  # by length: the rest of an incomplete character goes out too
             self.pending += self.detokenizer.flush()
         return False
 
@@ -139,7 +144,7 @@ class OutputProcessor:
         known = len(state.prompt_logprobs)  # entries for tokens 0 .. known - 1
         state.prompt_logprobs += entries[max(0, known - 1 - start):]
 
-    def process(self, request_ids: Iterable[str], logprobs: dict[Sequence, Logprobs], now: float
+    def process(self, request_ids: Iterable[str], logprobs: dict[Sequence, list[Logprobs]], now: float
                 ) -> tuple[list[RequestOutput], list[Sequence]]:
         """Turn the new tokens of these requests into outputs; returns them and the sequences that a
         stop string (or a failure here) finished, whose blocks the scheduler must now free."""
@@ -164,19 +169,24 @@ class OutputProcessor:
                 del self.requests[request_id]
         return outputs, finished_here
 
-    def _process_request(self, state: RequestState, logprobs: dict[Sequence, Logprobs], now: float,
+    def _process_request(self, state: RequestState, logprobs: dict[Sequence, list[Logprobs]], now: float,
                          finished_here: list[Sequence]) -> RequestOutput | None:
         news: dict[int, tuple[str, list[int]]] = {}  # completion -> (text delta, new token ids)
         for i, (seq, text) in enumerate(zip(state.sequences, state.texts)):
             has_new_token = seq.num_output_tokens > state.num_tokens_sent[i]
             if not has_new_token and not (seq.is_finished and not state.finish_sent[i]):
                 continue
-            if has_new_token:  # one token per step (speculative decoding will make this a loop)
-                if state.logprobs is not None and seq in logprobs:
-                    state.logprobs[i].append(logprobs[seq])
+            if has_new_token:  # one token a step, or several when kept drafts came before it (lesson 14)
+                sent, entries = state.num_tokens_sent[i], logprobs.get(seq, [])
                 was_running = not seq.is_finished
-                if text.append(seq, now) and was_running:
-                    finished_here.append(seq)
+                for index in range(sent, seq.num_output_tokens):
+                    if state.logprobs is not None and index - sent < len(entries):
+                        state.logprobs[i].append(entries[index - sent])
+                    if text.append_output(seq, index, index == seq.num_output_tokens - 1, now):
+                        seq.truncate_output(index + 1)  # a stop string ended it: later kept drafts go
+                        if was_running:
+                            finished_here.append(seq)
+                        break
             new_ids = seq.output_token_ids[state.num_tokens_sent[i]:]
             state.num_tokens_sent[i] = seq.num_output_tokens
             state.finish_sent[i] = seq.is_finished

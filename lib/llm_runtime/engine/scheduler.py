@@ -16,6 +16,12 @@ sequences the output processor ended (a stop string) or a failed step took down.
 Parallel sampling (n > 1): only the first sequence of a request computes the prompt, up to its
 last token; then the others fork it, sharing every block, and each computes the last prompt token
 itself. A shared block is copied when a sequence writes into it (copy-on-write).
+
+Speculative decoding (lesson 14): a decoding sequence whose proposer guessed its next tokens
+(`Sequence.draft_token_ids`) runs them after its last token, k + 1 tokens in one chunk, as many as the
+token budget and its remaining `max_tokens` allow. `postprocess` counts as computed only the drafts the
+rejection sampler kept, so the rejected ones' slots are written again next step, a whole block of them
+goes back to the pool, and no block holding a rejected draft is ever named in the prefix cache.
 Data flows one way: schedule -> run -> postprocess.
 """
 
@@ -39,14 +45,20 @@ class ScheduledSequence:
 
     seq: Sequence
     start: int
-    num_new_tokens: int
+    num_new_tokens: int  # its own tokens, then the drafts (the drafts' count included)
     block_table: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write before it runs
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed tokens verified after its last one
 
     @property
     def samples(self) -> bool:
         """Whether this step produces a token for it (false for a prefill chunk short of the end)."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        return self.start + self.num_new_tokens - len(self.draft_token_ids) == self.seq.num_tokens
+
+    def token_ids(self) -> list[int]:
+        """The tokens this step runs for it: its own from `start` on, then the drafts."""
+        return self.seq.token_ids(self.start, self.start + self.num_new_tokens - len(self.draft_token_ids)) + \
+            self.draft_token_ids
 
     @property
     def is_prefill(self) -> bool:
@@ -152,6 +164,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:  # running first: decodes are never starved by new prompts
             seq = self.running[i]
             num_new = min(self._tokens_to_run(seq), budget)
+            drafts = self._drafts_to_verify(seq, budget - num_new)
+            while drafts and not blocks.can_append(seq, seq.num_computed_tokens + num_new + len(drafts)):
+                drafts = drafts[:-1]  # guesses never take memory that would preempt a sequence
+            num_new += len(drafts)
             end = seq.num_computed_tokens + num_new
             while not blocks.can_append(seq, end):
                 victim = self.running[-1]  # the newest running sequence gives its memory back
@@ -163,7 +179,7 @@ class Scheduler:
                 break
             copies = blocks.append_slots(seq, end)
             batch.items.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new, list(blocks.block_tables[seq]),
-                                                 copies))
+                                                 copies, drafts))
             budget -= num_new
             i += 1
         now = time.perf_counter()
@@ -195,11 +211,20 @@ class Scheduler:
             budget -= num_new
         return batch
 
+    @staticmethod
+    def _drafts_to_verify(seq: Sequence, budget: int) -> list[int]:
+        """The proposals a decoding sequence runs this step: within the token budget left after its own
+        token, and short of its max_tokens (it emits one token more than it keeps)."""
+        if not seq.draft_token_ids or seq.num_uncomputed_tokens != 1:
+            return []
+        return seq.draft_token_ids[: max(0, min(budget, seq.max_new_tokens - seq.num_output_tokens - 1))]
+
     def _preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: free the newest running sequence's blocks and queue it first."""
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids, seq.draft_probs = [], None
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -213,18 +238,28 @@ class Scheduler:
             child.times.first_scheduled = parent.times.first_scheduled
             self.running.append(child)
 
-    def postprocess(self, batch: ScheduledBatch, sampled: dict[Sequence, int], now: float) -> list[Sequence]:
-        """Record the step's results (`sampled`: the token of each sequence that sampled one); return
-        the sequences that finished by a token rule (blocks freed, removed from running)."""
+    def postprocess(self, batch: ScheduledBatch, sampled: dict[Sequence, int], now: float,
+                    accepted: dict[Sequence, list[int]] | None = None) -> list[Sequence]:
+        """Record the step's results (`sampled`: the token of each sequence that sampled one; `accepted`: the
+        drafts a speculating sequence keeps, before that token); return the sequences that finished by a
+        token rule (blocks freed, removed from running)."""
         finished = []
         for item in batch.items:
             seq = item.seq
+            seq.draft_token_ids, seq.draft_probs = [], None  # proposals are for one step
             if seq.is_finished:  # aborted while the step ran, or failed in it
                 continue
-            seq.num_computed_tokens += item.num_new_tokens
-            self._name_full_blocks(seq)
-            if seq in sampled:
-                seq.append_token(sampled[seq], now)
+            kept = accepted.get(seq, []) if accepted and item.draft_token_ids else []
+            rejected = len(item.draft_token_ids) - len(kept)
+            seq.num_computed_tokens += item.num_new_tokens - rejected  # the rejected drafts' slots are free again
+            for token in [*kept, sampled[seq]] if seq in sampled else kept:
+                seq.append_token(token, now)
+                if seq.is_finished:  # a stop rule fired on a kept draft: what came after it is dropped
+                    seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+                    break
+            self._name_full_blocks(seq)  # after the kept drafts joined its tokens: they are computed
+            if rejected and not seq.is_finished:
+                self.block_manager.trim(seq, seq.num_tokens)  # whole blocks of rejected drafts go back
             if seq in self.forks and self._tokens_to_run(seq) == 0:
                 self._fork(seq)
             if seq.is_finished:

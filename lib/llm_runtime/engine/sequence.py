@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..sampling import Sampler, SamplerOutput, SamplingParams
+from ..sampling.rejection import RejectionSampler, VerifiedDrafts
 from ..sampling.seeded import SeededGenerator
 from ..sampling.token_counts import TokenCounts
 
@@ -92,6 +93,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id or string that ended it
         self.num_computed_tokens = 0
+        # Speculative decoding (lesson 14): the tokens a proposer guesses come next, set before a step
+        # schedules it and cleared after; with a draft model's distributions (k, vocab) for a sampled request.
+        self.draft_token_ids: list[int] = []
+        self.draft_probs: torch.Tensor | None = None
         self.times = SequenceTimes(arrival=time.perf_counter() if arrival_time is None else arrival_time)
 
     # ------------------------------------------------------------------ sizes
@@ -158,6 +163,14 @@ class Sequence:
         elif self.num_output_tokens >= self.max_new_tokens:
             self.finish(SequenceStatus.FINISHED_LENGTH, now)
 
+    def truncate_output(self, num_tokens: int) -> None:
+        """Keep the first `num_tokens` output tokens of a finished sequence (a stop string ended it there, before
+        drafts its step had kept)."""
+        if not self.is_finished:
+            raise RuntimeError(f"sequence {self.request_id}/{self.index} is running; only a finished one is cut")
+        del self.output_token_ids[num_tokens:]
+        del self.times.token_times[num_tokens:]
+
     def finish(self, status: SequenceStatus, now: float, stop_reason: int | str | None = None) -> None:
         """Move to a finished status (a stop string found after the length limit still wins, as in vLLM)."""
         if not status.is_finished:
@@ -186,4 +199,20 @@ def sample_sequences(sampler: Sampler, logits: torch.Tensor, sequences: list[Seq
         [seq.prompt_token_ids for seq in sequences],
         [seq.blocked_token_ids() for seq in sequences],
         [seq.token_counts(logits.shape[1], logits.device) if seq.params.has_penalties else None for seq in sequences],
+    )
+
+
+def verify_drafts(rejection_sampler: RejectionSampler, logits: torch.Tensor, items: list) -> VerifiedDrafts:
+    """Verify the drafts of scheduled speculating sequences (`ScheduledSequence`s, each with k drafts and
+    k + 1 rows of logits (sum of k + 1, vocab), in order): the drafts each keeps and the token after them."""
+    seqs = [item.seq for item in items]
+    return rejection_sampler(
+        logits,
+        [item.draft_token_ids for item in items],
+        [None if item.seq.draft_probs is None else item.seq.draft_probs[: len(item.draft_token_ids)] for item in items],
+        [seq.params for seq in seqs],
+        [seq.generator for seq in seqs],
+        [seq.output_token_ids for seq in seqs],
+        [seq.prompt_token_ids for seq in seqs],
+        [seq.blocked_token_ids() for seq in seqs],
     )

@@ -32,6 +32,9 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        # The name `load_model` loaded it by: a folder or a hub id, "" for the bundled model; None when built
+        # otherwise. A self-draft (speculative decoding, lesson 14) loads the same weights again by it.
+        self.source: str | None = None
         self.model = Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

@@ -57,6 +57,7 @@ def load_model(
         load_gguf_embedding_(model, find_bundled_gguf(), dtype=resolved_dtype)
     elif quantization is not None:
         quantize_linears_(model, quantization, group_size=group_size, dtype=resolved_dtype)
+    model.source = "" if name_or_path is None else str(name_or_path)
     return model, load_tokenizer(folder)
 
 

@@ -20,13 +20,21 @@ exactly when it is the argmax, and the replacement is the argmax, so greedy outp
 
 Randomness comes from the caller (the uniforms and the race noise), so seeded requests draw from their
 own generators, as in `Sampler`.
+
+`RejectionSampler` does this for an engine step's speculating sequences, each with its own request
+(module docstring of the class).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from .params import SamplingParams
+from .sampler import Sampler, penalized_logits, sampling_probs
+from .seeded import SeededGenerator, exponential_noise
 
 
 @dataclass(frozen=True)
@@ -88,3 +96,114 @@ def one_hot_greedy(logits: torch.Tensor) -> torch.Tensor:
     greedy rows): what a greedy request passes as its target distribution."""
     index = logits.max(dim=-1).indices
     return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, index[..., None], 1.0)
+
+
+@dataclass(frozen=True)
+class VerifiedDrafts:
+    """Per speculating sequence: the drafts it keeps, then the token drawn after them."""
+
+    accepted: list[list[int]]  # a prefix of each sequence's drafts
+    next_token_ids: list[int]  # the replacement of the first rejected draft, or the bonus after the last
+
+
+class RejectionSampler:
+    """Verifies the drafts of a step's speculating sequences against the target model's logits.
+
+    Sequence i brings k_i drafts and k_i + 1 rows of logits: the target's at each drafted position and one
+    past the last. Row j is what the `Sampler` would sample output token n_i + j from, n_i being the
+    sequence's output so far and drafts 0 .. j - 1 taken as output: the request's blocked tokens (EOS before
+    `min_tokens`) and penalties with those drafts counted, then temperature, min-p, top-k and top-p.
+    Greedy sequences keep the longest prefix of drafts that are the argmaxes, and emit the argmax after it;
+    the others go through `rejection_sample`, with Exp(1) noise as the Sampler draws it: a seeded request's
+    from its seed at draws n_i + j (reproducible, whatever else runs), the others' from this sampler's
+    generator. Each position's keep-or-reject uniform comes from that position's noise at the drafted token,
+    u = 1 - exp(-E): a rejected draft has no residual mass (p < q there), so the replacement's race never
+    reads it, and the two stay independent.
+    """
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.generator = sampler.generator
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        drafts: Sequence[Sequence[int]],
+        draft_probs: Sequence[torch.Tensor | None],
+        params: Sequence[SamplingParams],
+        generators: Sequence[SeededGenerator | None],
+        output_token_ids: Sequence[Sequence[int]],
+        prompt_token_ids: Sequence[Sequence[int]],
+        blocked_token_ids: Sequence[Sequence[int]],
+    ) -> VerifiedDrafts:
+        """logits (sum of k_i + 1, V), sequence after sequence; per sequence its drafts (k_i,), their draft
+        distributions (k_i, V) (None: sure guesses, an n-gram's), its params, generator, output and prompt
+        tokens, and the tokens blocked at its next output position (checked against min_tokens per row)."""
+        num_rows = [len(d) + 1 for d in drafts]
+        if logits.shape[0] != sum(num_rows):
+            raise ValueError(f"{logits.shape[0]} rows of logits for drafts needing {sum(num_rows)}")
+        # One row per (sequence, position), with that position's output so far and blocked tokens.
+        row_params = [p for p, n in zip(params, num_rows) for _ in range(n)]
+        row_outputs = [list(out) + list(d[:j]) for out, d, n in zip(output_token_ids, drafts, num_rows) for j in range(n)]
+        row_prompts = [prompt for prompt, n in zip(prompt_token_ids, num_rows) for _ in range(n)]
+        row_blocked = [tuple(blocked) if len(out) + j < p.min_tokens else ()
+                       for blocked, out, p, n in zip(blocked_token_ids, output_token_ids, params, num_rows)
+                       for j in range(n)]
+        logits = penalized_logits(logits, row_params, row_outputs, row_prompts, row_blocked)
+        starts = [sum(num_rows[:i]) for i in range(len(num_rows))]
+        accepted: list[list[int]] = [[] for _ in drafts]
+        next_tokens = [0] * len(drafts)
+
+        greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        if greedy:
+            best = logits.max(dim=-1).indices.tolist()  # the first of equal maxima, as the Sampler's
+            for i in greedy:
+                argmaxes = best[starts[i] : starts[i] + num_rows[i]]
+                kept = 0
+                while kept < len(drafts[i]) and drafts[i][kept] == argmaxes[kept]:
+                    kept += 1
+                accepted[i], next_tokens[i] = list(drafts[i][:kept]), argmaxes[kept]
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        if sampled:
+            self._verify_sampled(logits, sampled, starts, num_rows, drafts, draft_probs, params, generators,
+                                 output_token_ids, accepted, next_tokens)
+        return VerifiedDrafts(accepted, next_tokens)
+
+    def _verify_sampled(self, logits, sampled, starts, num_rows, drafts, draft_probs, params, generators,
+                        output_token_ids, accepted, next_tokens) -> None:
+        device, vocab = logits.device, logits.shape[1]
+        k = max(num_rows[i] for i in sampled) - 1
+        rows = [starts[i] + j for i in sampled for j in range(num_rows[i])]
+        probs = sampling_probs(logits[torch.tensor(rows, device=device)],
+                               [params[i] for i in sampled for _ in range(num_rows[i])])  # (rows, V)
+        noise = torch.empty_like(probs)
+        seeded = [(r, generators[i].seed, len(output_token_ids[i]) + j)  # draw n_i + j of the request's seed
+                  for r, (i, j) in enumerate((i, j) for i in sampled for j in range(num_rows[i]))
+                  if generators[i] is not None]
+        if len(seeded) < len(rows):
+            noise.exponential_(generator=self.generator)
+        if seeded:
+            index, seeds, draws = (torch.tensor(column, dtype=torch.int64, device=device) for column in zip(*seeded))
+            noise[index] = exponential_noise(seeds, draws, vocab)
+        # Padded to k drafts per sequence: (B, k + 1, V) targets and noise, (B, k) drafts.
+        batch = len(sampled)
+        target = probs.new_zeros(batch, k + 1, vocab)
+        race = noise.new_ones(batch, k + 1, vocab)
+        draft_ids = torch.zeros(batch, k, dtype=torch.int64, device=device)
+        dense_drafts = None if all(draft_probs[i] is None for i in sampled) else probs.new_zeros(batch, k, vocab)
+        offset = 0
+        for b, i in enumerate(sampled):
+            n = num_rows[i]
+            target[b, :n], race[b, :n] = probs[offset : offset + n], noise[offset : offset + n]
+            target[b, n:] = target[b, n - 1]  # padding past the bonus: never read
+            if n > 1:
+                draft_ids[b, : n - 1] = torch.tensor(list(drafts[i]), device=device)
+                if dense_drafts is not None:
+                    dense_drafts[b, : n - 1] = (draft_probs[i] if draft_probs[i] is not None else
+                                                torch.nn.functional.one_hot(draft_ids[b, : n - 1], vocab).float())
+            offset += n
+        uniform = 1 - torch.exp(-race[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1))  # (B, k)
+        num_drafts = torch.tensor([num_rows[i] - 1 for i in sampled], device=device)
+        out = rejection_sample(target, draft_ids, dense_drafts, uniform, race, num_drafts)
+        num_kept, tokens = out.num_accepted.tolist(), out.token_ids.tolist()
+        for b, i in enumerate(sampled):
+            accepted[i], next_tokens[i] = tokens[b][: num_kept[b]], tokens[b][num_kept[b]]

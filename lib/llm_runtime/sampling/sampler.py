@@ -144,6 +144,35 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     return apply_top_k_top_p(logits, top_k, top_p).softmax(dim=-1)
 
 
+def penalized_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]] | None = None,
+    prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    blocked_token_ids: Sequence[Sequence[int]] | None = None,
+    token_counts: Sequence[TokenCounts | None] | None = None,
+) -> torch.Tensor:
+    """The logits each row's rules leave, before temperature: blocked tokens (EOS before min_tokens) at -inf,
+    then the penalties. Rows without either come back as they were (in float32 if any row changed)."""
+    vocab = logits.shape[1]
+    if blocked_token_ids is not None and any(blocked_token_ids):
+        rows = [row for row, ids in enumerate(blocked_token_ids) for _ in ids]
+        columns = [token for ids in blocked_token_ids for token in ids]
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(columns, device=logits.device))
+        logits = logits.float().index_put(index, torch.tensor(-math.inf, device=logits.device))
+    if any(p.has_penalties for p in params):
+        if token_counts is not None and all(c is not None for c, p in zip(token_counts, params) if p.has_penalties):
+            # rows without penalties get empty counts: with penalties of 1, 0 and 0 they change nothing
+            empty = TokenCounts((), vocab, logits.device)
+            counts = [c if c is not None else empty for c in token_counts]
+            logits = apply_penalties(logits.float(), params,
+                                     output_counts=torch.stack([c.output_counts for c in counts]),
+                                     prompt_seen=torch.stack([c.prompt_seen for c in counts]))
+        else:
+            logits = apply_penalties(logits.float(), params, output_token_ids, prompt_token_ids)
+    return logits
+
+
 class Sampler:
     """Picks one token per row of a (B, vocab) logits batch, each row with its own SamplingParams.
 
@@ -181,21 +210,7 @@ class Sampler:
             raise ValueError(f"got {len(params)} SamplingParams for {batch} rows of logits")
         generators = generators if generators is not None else [None] * batch
         raw_logits = logits  # the model's dtype: a greedy batch needs no float32 copy of (B, vocab)
-        if blocked_token_ids is not None and any(blocked_token_ids):
-            rows = [row for row, ids in enumerate(blocked_token_ids) for _ in ids]
-            columns = [token for ids in blocked_token_ids for token in ids]
-            index = (torch.tensor(rows, device=logits.device), torch.tensor(columns, device=logits.device))
-            logits = logits.float().index_put(index, torch.tensor(-math.inf, device=logits.device))
-        if any(p.has_penalties for p in params):
-            if token_counts is not None and all(c is not None for c, p in zip(token_counts, params) if p.has_penalties):
-                # rows without penalties get empty counts: with penalties of 1, 0 and 0 they change nothing
-                empty = TokenCounts((), vocab, logits.device)
-                counts = [c if c is not None else empty for c in token_counts]
-                logits = apply_penalties(logits.float(), params,
-                                         output_counts=torch.stack([c.output_counts for c in counts]),
-                                         prompt_seen=torch.stack([c.prompt_seen for c in counts]))
-            else:
-                logits = apply_penalties(logits.float(), params, output_token_ids, prompt_token_ids)
+        logits = penalized_logits(logits, params, output_token_ids, prompt_token_ids, blocked_token_ids, token_counts)
 
         # Greedy rows keep this. `max` returns the first of equal maxima, as argmax does, and on the CPU
         # it is several times faster than argmax over a (B, vocab) batch in bfloat16.

@@ -1,8 +1,9 @@
 """The server's Prometheus metrics, kept with `prometheus_client` in a registry of the app's own.
 
 Counters and histograms are updated when a request finishes. The gauges (running, waiting, KV
-blocks, prefix-cache hit rate) and the engine's own counters are read at scrape time from the
-async engine's snapshot, never from the scheduler while a step runs.
+blocks, prefix-cache hit rate) and the engine's own counters (speculative decoding's among them, when
+it speculates) are read at scrape time from the async engine's snapshot, never from the scheduler
+while a step runs.
 """
 
 from __future__ import annotations
@@ -43,6 +44,21 @@ class _EngineCollector(Collector):
             ("requests_failed", "requests a failed step finished with an error", stats.num_failed_requests),
             ("preemptions", "sequences preempted", stats.num_preemptions),
         ]
+        if stats.accepted_length_counts:  # speculative decoding (lesson 14), as vLLM's spec_decode metrics
+            counters += [
+                ("spec_decode_num_draft_tokens", "speculative drafts verified", stats.num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "speculative drafts kept", stats.num_accepted_tokens),
+            ]
+            accepted = CounterMetricFamily(f"{PREFIX}_spec_decode_num_verifications",
+                                           "verifications by the number of drafts kept", labels=["num_accepted"])
+            for num_accepted, count in enumerate(stats.accepted_length_counts):
+                accepted.add_metric([str(num_accepted)], count)
+            yield accepted
+            yield GaugeMetricFamily(f"{PREFIX}_spec_decode_acceptance_rate", "drafts kept / drafts verified",
+                                    value=stats.acceptance_rate)
+            yield GaugeMetricFamily(f"{PREFIX}_spec_decode_mean_acceptance_length",
+                                    "tokens gained per verification: kept drafts + the token after them",
+                                    value=stats.mean_acceptance_length)
         for name, help_text, value in counters:
             yield CounterMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
 

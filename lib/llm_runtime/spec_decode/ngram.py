@@ -12,12 +12,16 @@ distribution), so the rejection sampler keeps a guess with probability p(guess) 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence as TokenList
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from ..engine.sequence import Sequence
 
-def propose_ngram(token_ids: Sequence[int] | np.ndarray, num_tokens: int, max_n: int, min_n: int = 1) -> list[int]:
+
+def propose_ngram(token_ids: TokenList[int] | np.ndarray, num_tokens: int, max_n: int, min_n: int = 1) -> list[int]:
     """Up to `num_tokens` tokens that followed the first earlier occurrence of the longest suffix
     of `token_ids` of min_n .. max_n tokens; fewer when the match is near the end, none without a match."""
     if not 1 <= min_n <= max_n:
@@ -36,3 +40,22 @@ def propose_ngram(token_ids: Sequence[int] | np.ndarray, num_tokens: int, max_n:
             follow = int(starts[0]) + n  # the first occurrence, and where its continuation begins
             return tokens[follow : follow + num_tokens].tolist()
     return []
+
+
+class NgramProposer:
+    """Prompt lookup for every decoding sequence of a step: up to k tokens each, from its own prompt and output."""
+
+    def __init__(self, num_speculative_tokens: int, prompt_lookup_max: int, prompt_lookup_min: int = 1) -> None:
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_n, self.min_n = prompt_lookup_max, prompt_lookup_min
+
+    def propose(self, sequences: list[Sequence]) -> None:
+        """Set each sequence's `draft_token_ids` (empty where nothing repeats); its drafts are sure guesses
+        (no distribution: the rejection sampler treats them as one-hot)."""
+        for seq in sequences:
+            seq.draft_token_ids = propose_ngram(seq.prompt_token_ids + seq.output_token_ids,
+                                                self.num_speculative_tokens, self.max_n, self.min_n)
+            seq.draft_probs = None
+
+    def keep_only(self, running: Collection[Sequence]) -> None:
+        """Nothing is kept per sequence."""

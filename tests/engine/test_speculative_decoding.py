@@ -1,0 +1,262 @@
+"""Speculative decoding in the engine (lesson 14): greedy output identical to the engine without it, under
+continuous batching, chunked prefill, paging, prefix hits, forks, preemption and aborts, with no block leaked;
+stop rules among kept drafts; logprobs; seeded requests reproducible; sampled output distributed as without
+speculation (a chi-square test per position on thousands of seeded draws); a draft model that agrees with
+the target keeps every guess; the counters the engine reports.
+
+Tiny random-weight models in float64 (batch composition cannot flip an argmax there); their greedy output
+falls into loops within a few tokens, which is where prompt lookup finds its guesses.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from llm_runtime import EngineConfig, LLMEngine, SamplingParams
+
+from test_kv_memory import BLOCK_SIZE, assert_no_leak, blocks_unconstrained, run_all, shared_prefix_workload
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+
+
+def repetitive_workload(vocab_size: int, num_requests: int = 24, seed: int = 5):
+    """Prompts that repeat a phrase (prompt lookup has something to find), a shared prefix, n > 1 for some."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, vocab_size) for _ in range(40)]
+    workload = []
+    for i in range(num_requests):
+        phrase = [rng.randrange(3, vocab_size) for _ in range(rng.randint(2, 6))]
+        prompt = (system if i % 2 == 0 else []) + phrase * rng.randint(2, 5) + phrase[: rng.randint(0, 2)]
+        n = 2 if i % 6 == 5 else 1
+        workload.append((prompt, SamplingParams(n=n, temperature=0, max_tokens=rng.randint(2, 40), ignore_eos=True)))
+    return workload
+
+
+def _pressed(workload, **options) -> EngineConfig:
+    """A pool small enough for preemption, prefix caching on, small steps (chunked prefill)."""
+    largest = max(-(-(len(prompt) + p.max_tokens) // BLOCK_SIZE) for prompt, p in workload)
+    return EngineConfig(max_num_seqs=8, max_num_batched_tokens=48, block_size=BLOCK_SIZE,
+                        num_kv_blocks=max(blocks_unconstrained(workload) * 12 // 100, largest + 2),
+                        enable_prefix_caching=True, **options)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_greedy_output_is_the_engines_without_speculation(tiny_pairs, family: str) -> None:
+    model, _ = tiny_pairs[family]
+    workload = repetitive_workload(model.config.vocab_size) + shared_prefix_workload(model.config.vocab_size, 8)
+    expected = run_all(LLMEngine(model, None, _pressed(workload)), workload, arrive_every=1)
+    engine = LLMEngine(model, None, _pressed(workload, speculative_config=NGRAM))
+    assert run_all(engine, workload, arrive_every=1) == expected
+    stats = engine.stats()
+    assert stats.num_draft_tokens > 50 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert sum(stats.accepted_length_counts) > 0 and len(stats.accepted_length_counts) == 5
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
+    assert 1 < stats.mean_acceptance_length <= 5 and 0 < stats.acceptance_rate < 1
+    assert_no_leak(engine)
+
+
+def test_rejected_drafts_leave_no_block_and_are_never_cached(tiny_pairs) -> None:
+    """After every step each running sequence holds no block past its tokens' (rejected drafts' blocks
+    went back), and every block named in the prefix cache holds tokens the sequence really has."""
+    model, _ = tiny_pairs["llama3"]
+    workload = repetitive_workload(model.config.vocab_size, 12, seed=8)
+    engine = LLMEngine(model, None, EngineConfig(max_num_seqs=8, block_size=4, num_kv_blocks=256,
+                                                 speculative_config={**NGRAM, "num_speculative_tokens": 9}))
+    for i, (prompt, params) in enumerate(workload):
+        engine.add_request(str(i), prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+        blocks = engine.block_manager
+        for seq in engine.scheduler.running:
+            held = len(blocks.block_tables[seq])  # its computed tokens' blocks, at most its next slot's more
+            assert blocks.blocks_needed(seq.num_computed_tokens) <= held <= blocks.blocks_needed(seq.num_tokens), seq
+            assert seq.num_computed_tokens <= seq.num_tokens
+            tokens = seq.prompt_token_ids + seq.output_token_ids
+            for index, entry in enumerate(blocks._chains[seq]):
+                if entry is not None:
+                    assert list(entry.token_ids) == tokens[index * 4 : (index + 1) * 4]
+    assert engine.stats().num_accepted_tokens > 0
+    assert_no_leak(engine)
+
+
+def test_aborts_in_the_middle_leak_nothing(tiny_pairs) -> None:
+    model, _ = tiny_pairs["qwen3"]
+    workload = repetitive_workload(model.config.vocab_size, 16, seed=9)
+    engine = LLMEngine(model, None, _pressed(workload, speculative_config=NGRAM))
+    for i, (prompt, params) in enumerate(workload):
+        engine.add_request(str(i), prompt, params)
+    step = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        step += 1
+        for request_id in list(engine.requests)[: 1 if step % 3 == 0 else 0]:
+            engine.abort_request(request_id)
+    assert engine.stats().num_draft_tokens > 0
+    assert_no_leak(engine)
+
+
+def test_stop_tokens_and_max_tokens_among_kept_drafts(tiny_pairs) -> None:
+    """A stop token that a kept draft (or the token after it) hits ends the request there, with what followed
+    dropped; max_tokens is never passed; both exactly as without speculation, logprobs included."""
+    model, _ = tiny_pairs["llama3"]
+    workload = repetitive_workload(model.config.vocab_size, 16, seed=11)
+    alone = LLMEngine(model, None, EngineConfig(num_kv_blocks=256))
+    greedy = {str(i): run_all(alone, [(prompt, params)])["0"] for i, (prompt, params) in enumerate(workload)}
+    # Stop on a token each output has at its 3rd to 6th place: the step that emits it may hold several.
+    stopping = []
+    for i, (prompt, params) in enumerate(workload):
+        output = greedy[str(i)][0]
+        stop = output[min(len(output) - 1, 2 + i % 4)]
+        stopping.append((prompt, SamplingParams(temperature=0, max_tokens=params.max_tokens, stop_token_ids=[stop],
+                                                logprobs=2)))
+    results = {}
+    for options in ({}, {"speculative_config": NGRAM}):
+        engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=256, **options))
+        for i, (prompt, params) in enumerate(stopping):
+            engine.add_request(str(i), prompt, params)
+        outputs = {}
+        while engine.has_unfinished_requests():
+            outputs.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+        results[bool(options)] = {i: (o.token_ids, o.finish_reason, o.stop_reason, o.logprobs) for i, o in outputs.items()}
+        assert_no_leak(engine)
+    for i, (tokens, reason, stop_reason, logprobs) in results[True].items():
+        expected = results[False][i]
+        assert (tokens, reason, stop_reason) == expected[:3], i
+        assert len(logprobs) == len(tokens) and [set(e) for e in logprobs] == [set(e) for e in expected[3]]
+        for ours, theirs in zip(logprobs, expected[3]):
+            assert all(abs(ours[t] - theirs[t]) < 1e-9 for t in ours)
+        assert len(tokens) <= stopping[int(i)][1].max_tokens
+
+
+def _seeded_draws(model, prompts, params, num_seeds: int, **options) -> list[list[int]]:
+    """The output of every (prompt, seed): seeds 0 .. num_seeds - 1 for each prompt, all in one engine."""
+    engine = LLMEngine(model, None, EngineConfig(max_num_seqs=256, max_num_batched_tokens=4096, num_kv_blocks=2048,
+                                                 block_size=BLOCK_SIZE, enable_prefix_caching=True, **options))
+    requests = [(prompt, SamplingParams(**{**params, "seed": seed}))
+                for prompt in prompts for seed in range(num_seeds)]
+    results = run_all(engine, requests, arrive_every=1)
+    assert_no_leak(engine)
+    return [results[str(i)][0] for i in range(len(requests))], engine.stats()
+
+
+def _chi_square_two_samples(a: list[int], b: list[int]) -> tuple[float, int]:
+    """Pearson's two-sample statistic over the tokens both samples hold (rare ones pooled), and its degrees."""
+    counts_a = torch.bincount(torch.tensor(a), minlength=256).double()
+    counts_b = torch.bincount(torch.tensor(b), minlength=256).double()
+    total = counts_a + counts_b
+    common = total >= 20
+    bins_a = torch.cat([counts_a[common], counts_a[~common].sum()[None]])
+    bins_b = torch.cat([counts_b[common], counts_b[~common].sum()[None]])
+    keep = (bins_a + bins_b) > 0
+    bins_a, bins_b = bins_a[keep], bins_b[keep]
+    n_a, n_b = bins_a.sum(), bins_b.sum()
+    expected_a = (bins_a + bins_b) * n_a / (n_a + n_b)
+    expected_b = (bins_a + bins_b) * n_b / (n_a + n_b)
+    return float(((bins_a - expected_a) ** 2 / expected_a + (bins_b - expected_b) ** 2 / expected_b).sum()), \
+        int(keep.sum()) - 1
+
+
+def _sharpened(model, factor: float):
+    """A copy whose next-token distributions are sharper (the head's weights scaled): at temperature 1 it
+    follows its own loops often enough for prompt lookup to guess, and wanders often enough to be refused."""
+    sharp = copy.deepcopy(model)
+    with torch.no_grad():
+        sharp.lm_head.weight.mul_(factor)
+    return sharp
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampled_output_is_distributed_as_without_speculation(tiny_pairs, top_p: float) -> None:
+    """Temperature 1 (and top-p 0.8): the first 6 tokens of 2 x 1,000 seeded requests, with and without prompt
+    lookup, by position. The seeds' draws differ between the two runs (speculation spends a request's draws
+    otherwise), so the samples are independent; a chi-square test per position, each bin at least 20 draws
+    in all: far below the 0.1 % quantile of its degrees of freedom."""
+    model = _sharpened(tiny_pairs["llama3"][0], 3.0)
+    vocab, num_seeds, length = model.config.vocab_size, 1000, 6
+    prompts = [[11, 12, 13, 11, 12, 13, 11, 12], [40, 41, 40, 41, 40]]
+    params = dict(temperature=1.0, top_p=top_p, max_tokens=length, ignore_eos=True)
+    plain, _ = _seeded_draws(model, prompts, params, num_seeds)
+    speculative, stats = _seeded_draws(model, prompts, params, num_seeds, speculative_config=NGRAM)
+    assert stats.num_draft_tokens > 1000 and 300 < stats.num_accepted_tokens < stats.num_draft_tokens - 300
+    for position in range(length):
+        for p in range(len(prompts)):
+            a = [tokens[position] for tokens in plain[p * num_seeds : (p + 1) * num_seeds]]
+            b = [tokens[position] for tokens in speculative[p * num_seeds : (p + 1) * num_seeds]]
+            statistic, degrees = _chi_square_two_samples(a, b)
+            # The 0.999 quantile of chi-square is below degrees + 3.1 sqrt(2 degrees) + 10 for these sizes.
+            assert statistic < degrees + 3.1 * (2 * degrees) ** 0.5 + 10, (position, p, statistic, degrees)
+            assert all(0 <= t < vocab for t in b)
+
+
+def test_seeded_requests_are_reproducible_whatever_runs_beside_them(tiny_pairs) -> None:
+    model, _ = tiny_pairs["qwen3"]
+    prompt = [7, 8, 9, 7, 8, 9, 7, 8]
+    params = SamplingParams(temperature=0.9, top_k=20, seed=123, max_tokens=16, ignore_eos=True)
+    config = dict(num_kv_blocks=128, speculative_config=NGRAM)
+    alone = run_all(LLMEngine(model, None, EngineConfig(**config)), [(prompt, params)])["0"]
+    others = [([5, 6, 5, 6, 5], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))] * 5
+    crowded = run_all(LLMEngine(model, None, EngineConfig(**config)), others + [(prompt, params)] + others)
+    assert crowded["5"] == alone
+
+
+def test_a_draft_model_that_agrees_keeps_every_guess(tiny_pairs) -> None:
+    """The target itself as its draft: greedy guesses are the target's argmaxes, all kept; a different model of
+    the same vocabulary as the draft keeps fewer, and the output is the same either way."""
+    model, _ = tiny_pairs["llama3"]
+    workload = repetitive_workload(model.config.vocab_size, 8, seed=13)
+    expected = run_all(LLMEngine(model, None, EngineConfig(num_kv_blocks=256)), workload)
+    draft = {"method": "draft", "model": "unused: a draft model is given", "num_speculative_tokens": 3}
+    same = LLMEngine(model, None, EngineConfig(num_kv_blocks=256, speculative_config=draft),
+                     draft_model=copy.deepcopy(model))
+    assert run_all(same, workload) == expected
+    assert same.stats().acceptance_rate == 1.0 and same.stats().num_draft_tokens > 30
+    other = LLMEngine(model, None, EngineConfig(num_kv_blocks=256, speculative_config=draft),
+                      draft_model=tiny_pairs["llama2"][0])
+    assert run_all(other, workload) == expected
+    assert other.stats().acceptance_rate < 1.0
+    assert_no_leak(other)
+    other.step()  # nothing to run: the draft's caches go with their sequences
+    assert not other.proposer.caches
+
+
+def test_a_sampling_draft_model_keeps_the_distribution(tiny_pairs) -> None:
+    """Drafts drawn from another model's distribution (q is not p): the 4 tokens of 1,500 seeded requests
+    follow the target's distribution as without speculation (chi-square per position)."""
+    model, _ = tiny_pairs["llama3"]
+    prompts, num_seeds, length = [[21, 22, 23, 24]], 1500, 4
+    params = dict(temperature=1.0, max_tokens=length, ignore_eos=True)
+    plain, _ = _seeded_draws(model, prompts, params, num_seeds)
+    draft = {"method": "draft", "model": "given", "num_speculative_tokens": 2}
+    engine = LLMEngine(model, None, EngineConfig(max_num_seqs=256, num_kv_blocks=1024, speculative_config=draft),
+                       draft_model=tiny_pairs["llama2"][0])
+    requests = [(prompts[0], SamplingParams(**{**params, "seed": seed})) for seed in range(num_seeds)]
+    results = run_all(engine, requests, arrive_every=1)
+    speculative = [results[str(i)][0] for i in range(num_seeds)]
+    stats = engine.stats()
+    assert stats.num_draft_tokens > 1000 and 100 < stats.num_accepted_tokens < stats.num_draft_tokens - 100
+    for position in range(length):
+        statistic, degrees = _chi_square_two_samples([t[position] for t in plain], [t[position] for t in speculative])
+        assert statistic < degrees + 3.1 * (2 * degrees) ** 0.5 + 10, (position, statistic, degrees)
+    assert_no_leak(engine)
+
+
+def test_bad_speculative_settings_are_refused(tiny_pairs) -> None:
+    model, _ = tiny_pairs["llama2"]
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="unknown speculative_config key"):
+        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3})
+    with pytest.raises(ValueError, match="draft_model is for"):
+        LLMEngine(model, None, EngineConfig(num_kv_blocks=8), draft_model=model)
+    with pytest.raises(ValueError, match="vocabulary"):
+        other = copy.deepcopy(model)
+        other.config = type(model.config)(**{**vars(model.config), "vocab_size": 50})
+        LLMEngine(model, None, EngineConfig(num_kv_blocks=8, speculative_config={
+            "method": "draft", "model": "x", "num_speculative_tokens": 2}), draft_model=other)
+    with pytest.raises(ValueError, match="was not loaded by load_model"):
+        LLMEngine(model, None, EngineConfig(num_kv_blocks=8, speculative_config={
+            "method": "draft", "model": "self", "num_speculative_tokens": 2}))
