@@ -76,3 +76,20 @@ def test_bench_command_end_to_end_on_the_bundled_model(bundled, tmp_path) -> Non
     assert {p.name for p in tmp_path.glob("*.png")} == {"throughput.png", "latency_cdf.png", "ttft_vs_rate.png"}
     assert main(["bench", "--runners", "engine,vllm", "--output-dir", str(tmp_path)]) == 2
     assert main(["bench", "--attention-backends", "fastest", "--output-dir", str(tmp_path)]) == 2
+
+
+def test_bench_speculates_when_asked_and_reports_the_acceptance(bundled, tmp_path, capsys) -> None:
+    """`--speculative-config JSON` reaches the engine; the step breakdown says how the guesses paid."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'
+    code = main(["bench", "--runners", "engine", "--workload", "shared-prefix", "--num-requests", "4",
+                 "--prefix-len", "48", "--input-len", "16", "--output-len", "24", "--max-num-seqs", "4",
+                 "--no-compile-model", "--no-progress", "--output-dir", str(tmp_path), "--speculative-config", spec])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "llm_runtime step time: propose" in printed and "llm_runtime speculation:" in printed
+    stats = json.loads((tmp_path / "bench.json").read_text())["runs"][0]["runs"]["llm_runtime"]["stats"]
+    assert stats["num_draft_tokens"] > 0 and len(stats["accepted_length_counts"]) == 4
+    for bad in ('{"method": "medusa", "num_speculative_tokens": 2}', "not json"):
+        with pytest.raises(SystemExit):
+            main(["bench", "--speculative-config", bad])
+    assert "--speculative-config" in capsys.readouterr().err
