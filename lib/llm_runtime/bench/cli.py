@@ -189,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _step_breakdowns(report) -> list[str]:
     """Where this package's engine spent its step time, per engine run: the phases, and attention within."""
+    from ..engine.engine import EngineStats
+
     lines = []
     for name, info in report.info.items():
         profile = info.get("step_profile") if isinstance(info, dict) else None
@@ -199,11 +201,12 @@ def _step_breakdowns(report) -> list[str]:
         stats = info.get("stats", {})
         backend = stats.get("attention_backend", "?")
         lines.append(f"{name} step time: {shares}; attention ({backend}) {100 * profile['attention_fraction']:.1f}%")
-        counts = stats.get("accepted_length_counts")
-        if counts:  # speculative decoding: how the guesses paid
-            drafts, kept = stats["num_draft_tokens"], stats["num_accepted_tokens"]
-            lines.append(f"{name} speculation: {kept} of {drafts} drafts kept ({100 * kept / max(drafts, 1):.1f}%), "
-                         f"{1 + kept / max(sum(counts), 1):.2f} tokens per verification; kept per verification "
+        if stats.get("accepted_length_counts"):  # speculative decoding: how the guesses paid
+            engine_stats = EngineStats(**stats)
+            counts = engine_stats.accepted_length_counts
+            lines.append(f"{name} speculation: {engine_stats.num_accepted_tokens} of {engine_stats.num_draft_tokens} "
+                         f"drafts kept ({100 * engine_stats.acceptance_rate:.1f}%), "
+                         f"{engine_stats.mean_acceptance_length:.2f} tokens per verification; kept per verification "
                          f"0..{len(counts) - 1}: {list(counts)}")
     return lines
 

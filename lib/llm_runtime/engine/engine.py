@@ -37,7 +37,7 @@ from ..model.packed_linear import is_packed, pack_linears_, packing_unsupported_
 from ..model.tokenizer import Tokenizer
 from ..sampling import Sampler, SamplingParams
 from .block_manager import BlockManager
-from ..spec_decode.draft_model import DraftModelProposer, load_draft_model
+from ..spec_decode.draft_model import DraftModelProposer, check_same_vocabulary, load_draft_model
 from ..spec_decode.ngram import NgramProposer
 from ..spec_decode.proposer import Proposer
 from ..spec_decode.stats import SpeculationStats
@@ -209,9 +209,8 @@ class LLMEngine:
             return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
         if draft_model is None:
             draft_model = load_draft_model(spec, self.model)
-        elif draft_model.config.vocab_size != self.model.config.vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) is not the "
-                             f"target's ({self.model.config.vocab_size})")
+        else:
+            check_same_vocabulary(draft_model, self.model)
         return DraftModelProposer(draft_model, spec.num_speculative_tokens, seed=self.config.seed)
 
     def _wants_compiled_forward(self, owns_model: bool) -> bool:

@@ -143,8 +143,11 @@ class RejectionSampler:
             raise ValueError(f"{logits.shape[0]} rows of logits for drafts needing {sum(num_rows)}")
         # One row per (sequence, position), with that position's output so far and blocked tokens.
         row_params = [p for p, n in zip(params, num_rows) for _ in range(n)]
-        row_outputs = [list(out) + list(d[:j]) for out, d, n in zip(output_token_ids, drafts, num_rows) for j in range(n)]
-        row_prompts = [prompt for prompt, n in zip(prompt_token_ids, num_rows) for _ in range(n)]
+        row_outputs = row_prompts = None  # only penalties read them: no copy of every output per row otherwise
+        if any(p.has_penalties for p in params):
+            row_outputs = [list(out) + list(d[:j]) for out, d, n in zip(output_token_ids, drafts, num_rows)
+                           for j in range(n)]
+            row_prompts = [prompt for prompt, n in zip(prompt_token_ids, num_rows) for _ in range(n)]
         row_blocked = [tuple(blocked) if len(out) + j < p.min_tokens else ()
                        for blocked, out, p, n in zip(blocked_token_ids, output_token_ids, params, num_rows)
                        for j in range(n)]

@@ -97,7 +97,12 @@ def load_draft_model(config: SpeculativeConfig, target: CausalLM) -> CausalLM:
     else:
         name = config.model
     draft, _ = load_model(name, device=target.device, quantization=config.quantization)
+    check_same_vocabulary(draft, target)
+    return draft
+
+
+def check_same_vocabulary(draft: CausalLM, target: CausalLM) -> None:
+    """ValueError unless the draft's token ids can be the target's (the same vocabulary size)."""
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) is not the target's "
                          f"({target.config.vocab_size}): it must share its tokenizer")
-    return draft

@@ -2,7 +2,8 @@
 
 vLLM reports the same three: the acceptance rate (kept drafts over verified ones), the mean acceptance
 length (tokens a sequence gains per verification: the kept drafts plus the token drawn after them) and
-the distribution of kept drafts per verification, here a histogram over 0 .. k.
+the distribution of kept drafts per verification, here a histogram over 0 .. k. The engine's `stats()`
+(`EngineStats`) derives the first two from these counters.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ class SpeculationStats:
     """Counters over an engine's life; `record` adds one sequence's verification."""
 
     num_speculative_tokens: int
-    num_verifications: int = 0  # sequence-steps that verified at least one draft
     num_draft_tokens: int = 0  # drafts verified
     num_accepted_tokens: int = 0  # of those, kept
     accepted_counts: list[int] = field(default_factory=list)  # [a]: verifications that kept a drafts, 0 .. k
@@ -27,20 +27,9 @@ class SpeculationStats:
     def record(self, num_drafts: int, num_accepted: int) -> None:
         if not 0 <= num_accepted <= num_drafts <= self.num_speculative_tokens:
             raise ValueError(f"kept {num_accepted} of {num_drafts} drafts (at most {self.num_speculative_tokens})")
-        self.num_verifications += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
         self.accepted_counts[num_accepted] += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens gained per verification: kept drafts + the one drawn after them (1.0: no draft kept)."""
-        return 1 + self.num_accepted_tokens / self.num_verifications if self.num_verifications else 0.0
-
 
 def expected_tokens_per_verification(acceptance_rate: float, num_speculative_tokens: int) -> float:
     """Tokens a sequence gains per verification of k drafts when each is kept with probability `acceptance_rate`
