@@ -17,7 +17,7 @@ from llm_runtime.attention import available_backends, select_backend
 from llm_runtime.attention import cpu_kernels
 from llm_runtime.attention.cpu_backend import CpuKernelBackend
 from llm_runtime.attention.cpu_kernels import KernelUnavailable, check_indices, paged_decode, paged_decode_quantized
-from llm_runtime.attention.kv_quant import KVQuantization, QuantizedPools
+from llm_runtime.attention.kv_quant import ChannelScale, KVQuantization, QuantizedPools
 from llm_runtime.attention.metadata import AttentionMetadata
 from llm_runtime.attention.torch_gather import TorchGatherBackend
 
@@ -235,19 +235,26 @@ def test_a_block_outside_the_pool_is_refused_before_the_c_code_runs() -> None:
         backend.forward(query.float(), None, None, *small_pools, backend.plan(metadata))
 
 
+def stored_values(pool: torch.Tensor) -> torch.Tensor:
+    """A float64 pool as the 8-bit tests store it: one magnitude per channel, 1e-4 .. 30, so that float8's
+    subnormals and int8's range both show, and each channel off zero by half its size (int8's zeros)."""
+    spread = torch.logspace(-4, 1.5, pool.shape[-1], dtype=torch.float64)
+    return (pool * spread + spread / 2).float()
+
+
 def quantized_pools(pools, kv_cache_dtype: str):
-    """(key, value) float64 pools -> the 8-bit pools as stored, their scales, and the float32 pools
-    they stand for (what the kernel must read). The values span 1e-4 .. 30, so that float8's subnormals
-    and the int8 scales' range both show."""
+    """(key, value) float64 pools -> the 8-bit pools as stored, their scales (int8: each channel's range
+    over the pool), and the float32 pools they stand for (what the kernel must read)."""
     quantization = KVQuantization.of(kv_cache_dtype, torch.float32)
-    stored, read_back = [], []
+    stored, scales, read_back = [], [], []
     for pool in pools:
-        spread = torch.logspace(-4, 1.5, pool.shape[-1], dtype=torch.float64)  # one magnitude per element
-        data, scales = quantization.quantize((pool * spread).float())
-        stored.append((data, scales))
-        read_back.append(quantization.dequantize(data, scales, torch.float32))
-    (key_pool, key_scales), (value_pool, value_scales) = stored
-    return key_pool, value_pool, key_scales, value_scales, read_back
+        x = stored_values(pool)  # (num_blocks, block_size, KV, d)
+        scale = ChannelScale.spanning(x.amin(dim=(0, 1)), x.amax(dim=(0, 1))) if quantization.scaled else None
+        data = quantization.quantize(x, scale)
+        stored.append(data)
+        scales.append(scale)
+        read_back.append(quantization.dequantize(data, scale, torch.float32))
+    return stored[0], stored[1], scales[0], scales[1], read_back
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
@@ -303,9 +310,8 @@ def test_the_backend_reads_an_8bit_pool_in_place_and_long_chunks_over_a_copy_of_
     assert plan.quantized_prefills.blocks.tolist() == long_prefix  # the 20-row and 12-row chunks' prefixes
     assert 0 < len(long_prefix) < key_pool.shape[0]  # a copy of some blocks, not of the pool
     num_kv_heads, head_dim = key_pool.shape[2:]
-    spread = torch.logspace(-4, 1.5, head_dim, dtype=torch.float64)  # as quantized_pools made them
     # The step's own keys and values in full precision (the backend rounds them as stored) and as read back.
-    key, value = ((pool * spread).float().view(-1, num_kv_heads, head_dim)[metadata.slot_mapping] for pool in pools)
+    key, value = (stored_values(pool).view(-1, num_kv_heads, head_dim)[metadata.slot_mapping] for pool in pools)
     read_key, read_value = (pool.view(-1, num_kv_heads, head_dim)[metadata.slot_mapping] for pool in read_back)
     assert not torch.equal(key, read_key)
     stored = QuantizedPools(KVQuantization.of(kv_cache_dtype, torch.float32), key_pool, value_pool, key_scales,
@@ -323,8 +329,9 @@ def test_bad_8bit_pools_are_refused_before_the_c_code_runs() -> None:
     key_pool, value_pool, key_scales, value_scales, _ = quantized_pools(pools, "int8")
     with pytest.raises(ValueError, match="needs its key and value scales"):
         paged_decode_quantized(query.float(), key_pool, value_pool, None, None, *args)
-    with pytest.raises(ValueError, match="float16 CPU tensors"):
-        paged_decode_quantized(query.float(), key_pool, value_pool, key_scales.float(), value_scales, *args)
+    with pytest.raises(ValueError, match="per KV head and channel"):
+        wrong = ChannelScale(key_scales.scale[:, :32], key_scales.zero[:, :32])  # half the channels
+        paged_decode_quantized(query.float(), key_pool, value_pool, wrong, value_scales, *args)
     with pytest.raises(TypeError, match="quantized C kernel reads"):
         paged_decode_quantized(query.float(), key_pool, value_pool.view(torch.uint8), key_scales, value_scales,
                                *args)

@@ -133,9 +133,10 @@ def test_the_c_kernel_in_the_engine_gives_the_reference_backends_tokens(tiny_pai
 @pytest.mark.parametrize("backend", [b for b in CPU_BACKENDS_FLOAT32 if b != "triton"])
 def test_a_quantized_kv_cache_under_prefix_hits_forks_and_preemption(tiny_pairs, backend: str,
                                                                      kv_cache_dtype: str) -> None:
-    """An 8-bit pool quantizes each token's keys on their own, so batching, paging, prefix hits, forks and
-    preemption change nothing: every request gets the tokens it gets alone with the same pool, and no block
-    leaks. (Alone against the full-precision engine, the tokens may differ: that is the quantization.)"""
+    """An 8-bit pool stores each element by itself (int8: with scales fixed before the first request), so
+    batching, paging, prefix hits, forks and preemption change nothing: every request gets the tokens it gets
+    alone with the same pool, and no block leaks. (Alone against the full-precision engine, the tokens may
+    differ: that is the quantization.)"""
     model = copy.deepcopy(tiny_pairs["qwen3"][0]).float()
     workload = shared_prefix_workload(model.config.vocab_size, num_requests=16, seed=3)
     need = blocks_unconstrained(workload)

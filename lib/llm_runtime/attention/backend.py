@@ -156,7 +156,7 @@ class PagedAttentionStep:
             if self.compact is None:  # the backend reads 8 bits where they lie
                 out = self.backend.forward_quantized(query, key, value, self.cache.layer(layer_idx), self.plan)
             else:  # the step's blocks read back: (U, block_size, KV, d) each, and these keys as stored
-                key, value = self.cache.quantization.round_trip(key), self.cache.quantization.round_trip(value)
+                key, value = self.cache.stored_as(layer_idx, key, value)
                 key_pool, value_pool = self.cache.read_blocks(layer_idx, self.compact.blocks)
                 out = self.backend.forward(query, key, value, key_pool, value_pool, self.plan)
         if self.timer is not None:

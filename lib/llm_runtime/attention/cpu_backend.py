@@ -17,8 +17,8 @@ standard bench's prompts (12-128 tokens) 0.6-1.1 s in all against 2.3 s. The new
 go into the pool by a C call too (`csrc/store_kv.c`).
 
 An 8-bit pool (`kv_cache_dtype` "int8" or "fp8", kv_quant.py) is read where it lies too
-(`forward_quantized`): the kernel converts each stored element to float32 as it loads it, and applies
-int8's per-token scales to each key's score and each value's softmax weight, so the rows it serves
+(`forward_quantized`): the kernel converts each stored element to float32 as it loads it, int8's
+scales per channel folded into the query and the output around the call, so the rows it serves
 need no full-precision copy of their blocks. Long prefill chunks stay block-wise over a copy of the
 blocks their cached prefixes read, and only those (`QuantizedPrefills`).
 
@@ -147,7 +147,7 @@ class CpuKernelBackend(BlockwiseBackend):
             _check_pool_size(rows, pools.key_pool.shape[0])
             if query.stride(-1) != 1:
                 query = query.contiguous()
-            paged_decode_quantized(query, pools.key_pool, pools.value_pool, pools.key_scales, pools.value_scales,
+            paged_decode_quantized(query, pools.key_pool, pools.value_pool, pools.key_scale, pools.value_scale,
                                    rows.block_tables, rows.seq_lens, rows.rows, out, indices_checked=True)
         if plan.prefills:
             # Chunks of more than kernel_max_rows rows stay block-wise, where ATen's blocked kernel beats the
@@ -156,9 +156,10 @@ class CpuKernelBackend(BlockwiseBackend):
             # small beside the T x S attention that reads it (the chunks' own keys are `key` and `value`).
             # Sending these rows through the kernel instead would skip the copy but lose that speed.
             blocks, quantization = plan.quantized_prefills.blocks, pools.quantization
-            key, value = quantization.round_trip(key), quantization.round_trip(value)  # as the pool holds them
-            key_pool = dequantize_blocks(quantization, pools.key_pool, pools.key_scales, blocks, query.dtype)
-            value_pool = dequantize_blocks(quantization, pools.value_pool, pools.value_scales, blocks, query.dtype)
+            key = quantization.round_trip(key, pools.key_scale)  # as the pool holds them
+            value = quantization.round_trip(value, pools.value_scale)
+            key_pool = dequantize_blocks(quantization, pools.key_pool, pools.key_scale, blocks, query.dtype)
+            value_pool = dequantize_blocks(quantization, pools.value_pool, pools.value_scale, blocks, query.dtype)
             self._attend_prefills(query, key, value, key_pool, value_pool, plan.quantized_prefills.prefills, out)
         return out
 

@@ -3,8 +3,8 @@
 PyTorch has no CPU operator that reads keys where they lie in a paged pool, so the `cpu` backend
 brings its own: `csrc/paged_decode.c` (attention, plain C with OpenMP; the file explains the
 algorithm) and `csrc/store_kv.c` (the step's keys and values into the pool). Attention reads a pool
-in the query's dtype (`paged_decode`) or an 8-bit one as stored, int8 with its float16 scales or
-float8 e4m3fn (`paged_decode_quantized`, kv_quant.py): one C function per pair of dtypes. The
+in the query's dtype (`paged_decode`) or an 8-bit one as stored, int8 (its scales folded into the
+query and the output) or float8 e4m3fn (`paged_decode_quantized`, kv_quant.py): one C function per pair of dtypes. The
 library is built on first use and cached (`native/build.py`), and loaded with ctypes. PyTorch tensors are
 passed as raw pointers, so the wrapper checks every dtype, layout and shape the C code assumes.
 
@@ -25,20 +25,21 @@ from pathlib import Path
 
 import torch
 
+from .kv_quant import ChannelScale
 from ..native import FLAG_SETS, KernelUnavailable, build_library  # noqa: F401 (tests set FLAG_SETS here)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("paged_decode.c", "paged_decode_body.h", "store_kv.c")
 COMPILED = ("paged_decode.c", "store_kv.c")  # one library from these
 KERNEL_DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
-# (query dtype, pool dtype) -> the kernel that reads that 8-bit pool as stored (int8 with scales).
+# (query dtype, pool dtype) -> the kernel that reads that 8-bit pool as stored.
 QUANTIZED_KERNELS = {
     (torch.float32, torch.int8): "paged_decode_f32_i8",
     (torch.bfloat16, torch.int8): "paged_decode_bf16_i8",
     (torch.float32, torch.float8_e4m3fn): "paged_decode_f32_fp8",
     (torch.bfloat16, torch.float8_e4m3fn): "paged_decode_bf16_fp8",
 }
-SCALED_POOL_DTYPES = (torch.int8,)  # pools with a float16 scale per slot and KV head
+SCALED_POOL_DTYPES = (torch.int8,)  # pools read with a ChannelScale (kv_quant.py)
 
 
 @functools.cache
@@ -50,7 +51,6 @@ def load_library() -> ctypes.CDLL:
         function.restype = ctypes.c_int
         function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # query, strides
                              ctypes.c_void_p, ctypes.c_void_p,  # key_pool, value_pool
-                             ctypes.c_void_p, ctypes.c_void_p,  # key_scales, value_scales (or NULL)
                              ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # tables, stride, seq_lens
                              ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # rows, num_seqs, out
                              ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float]
@@ -97,16 +97,16 @@ def paged_decode(
     if dtype not in KERNEL_DTYPES or not (key_pool.dtype == value_pool.dtype == out.dtype == dtype):
         raise TypeError(f"the C kernel takes {', '.join(map(str, KERNEL_DTYPES))} throughout, "
                         f"got query {dtype}, pools {key_pool.dtype}/{value_pool.dtype}, out {out.dtype}")
-    _paged_decode(KERNEL_DTYPES[dtype], query, key_pool, value_pool, None, None, block_tables, seq_lens, rows,
-                  out, indices_checked)
+    _paged_decode(KERNEL_DTYPES[dtype], query, key_pool, value_pool, block_tables, seq_lens, rows, out,
+                  indices_checked)
 
 
 def paged_decode_quantized(
     query: torch.Tensor,
     key_pool: torch.Tensor,
     value_pool: torch.Tensor,
-    key_scales: torch.Tensor | None,
-    value_scales: torch.Tensor | None,
+    key_scale: ChannelScale | None,
+    value_scale: ChannelScale | None,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     rows: torch.Tensor,
@@ -118,34 +118,47 @@ def paged_decode_quantized(
     registers: no full-precision copy of any block.
 
     query and out float32 or bfloat16 (one dtype); key_pool, value_pool (num_blocks, block_size, KV, d)
-    contiguous, both int8 or both float8_e4m3fn; for int8, key_scales and value_scales (num_blocks,
-    block_size, KV) float16 contiguous (element = stored * scale), for float8 both None. The rest as
-    `paged_decode`.
+    contiguous, both int8 or both float8_e4m3fn; for int8, the layer's key_scale and value_scale, for
+    float8 both None. The rest as `paged_decode`.
+
+    An int8 element stands for q * s + z, s and z per KV head and channel, so the kernel reads q alone:
+    each score q . (s_k k + z_k) is (q s_k) . k plus q . z_k, the same for every key of a query, which
+    the softmax cancels; so the query goes in times s_k. The output is a weighted mean of the values
+    (the weights sum to one), so it comes out as (mean of stored values) * s_v + z_v.
     """
     symbol = QUANTIZED_KERNELS.get((query.dtype, key_pool.dtype))
     if symbol is None or value_pool.dtype != key_pool.dtype or out.dtype != query.dtype:
         pairs = ", ".join(f"{q} over {p}" for q, p in QUANTIZED_KERNELS)
         raise TypeError(f"the quantized C kernel reads {pairs} (out in the query's dtype), got query "
                         f"{query.dtype}, pools {key_pool.dtype}/{value_pool.dtype}, out {out.dtype}")
-    if key_pool.dtype in SCALED_POOL_DTYPES:
-        if key_scales is None or value_scales is None:
-            raise ValueError(f"a {key_pool.dtype} pool needs its key and value scales")
-        for scales in (key_scales, value_scales):
-            if scales.dtype != torch.float16 or scales.shape != key_pool.shape[:3] or not scales.is_contiguous() \
-                    or scales.device.type != "cpu":
-                raise ValueError(f"scales must be float16 CPU tensors of shape {tuple(key_pool.shape[:3])}, "
-                                 f"contiguous; got {scales.dtype} {tuple(scales.shape)} on {scales.device}")
-    elif key_scales is not None or value_scales is not None:
-        raise ValueError(f"a {key_pool.dtype} pool has no scales")
-    _paged_decode(symbol, query, key_pool, value_pool, key_scales, value_scales, block_tables, seq_lens, rows,
-                  out, indices_checked)
+    if key_pool.dtype not in SCALED_POOL_DTYPES:
+        if key_scale is not None or value_scale is not None:
+            raise ValueError(f"a {key_pool.dtype} pool has no scales")
+        _paged_decode(symbol, query, key_pool, value_pool, block_tables, seq_lens, rows, out, indices_checked)
+        return
+    if key_scale is None or value_scale is None:
+        raise ValueError(f"a {key_pool.dtype} pool needs its key and value scales")
+    num_heads, (_, _, num_kv_heads, head_dim) = query.shape[1], key_pool.shape
+    for scale in (key_scale, value_scale):
+        if scale.scale.shape != (num_kv_heads, head_dim) or scale.zero.shape != (num_kv_heads, head_dim):
+            raise ValueError(f"scales must be ({num_kv_heads}, {head_dim}) per KV head and channel, "
+                             f"got {tuple(scale.scale.shape)} and {tuple(scale.zero.shape)}")
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly")
+    group = num_heads // num_kv_heads
+    per_head = [t.repeat_interleave(group, dim=0) for t in (key_scale.scale, value_scale.scale, value_scale.zero)]
+    key_s, value_s, value_z = (t.to(query.device) for t in per_head)  # (H, d) each
+    scaled_query = (query.float() * key_s).to(query.dtype)  # (N, H, d), contiguous
+    _paged_decode(symbol, scaled_query, key_pool, value_pool, block_tables, seq_lens, rows, out, indices_checked)
+    if rows.numel():  # the decode rows the kernel wrote, from stored units to values
+        out[rows] = (out[rows].float() * value_s + value_z).to(out.dtype)
 
 
 def _paged_decode(symbol: str, query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
-                  key_scales: torch.Tensor | None, value_scales: torch.Tensor | None, block_tables: torch.Tensor,
-                  seq_lens: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, indices_checked: bool) -> None:
+                  block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
+                  indices_checked: bool) -> None:
     """The checks every variant shares (devices, layouts, shapes, indices), then the C call `symbol`
-    (dtypes and scales already checked by the caller)."""
+    (dtypes already checked by the caller)."""
     tensors = (query, key_pool, value_pool, block_tables, seq_lens, rows, out)
     if any(t.device.type != "cpu" for t in tensors):
         raise ValueError("the C kernel runs on CPU tensors only")
@@ -169,19 +182,17 @@ def _paged_decode(symbol: str, query: torch.Tensor, key_pool: torch.Tensor, valu
     if not indices_checked:
         check_indices(block_tables, seq_lens, rows, num_rows=query.shape[0], num_blocks=key_pool.shape[0],
                       block_size=block_size)
-    _call_paged_decode(symbol, query, key_pool, value_pool, key_scales, value_scales, block_tables, seq_lens, rows,
-                       out)
+    _call_paged_decode(symbol, query, key_pool, value_pool, block_tables, seq_lens, rows, out)
 
 
 def _call_paged_decode(symbol: str, query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
-                       key_scales: torch.Tensor | None, value_scales: torch.Tensor | None, block_tables: torch.Tensor,
-                       seq_lens: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+                       block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor,
+                       out: torch.Tensor) -> None:
     """The C call `symbol` over tensors already checked."""
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_pool.shape
     status = getattr(load_library(), symbol)(
         query.data_ptr(), query.stride(0), query.stride(1), key_pool.data_ptr(), value_pool.data_ptr(),
-        None if key_scales is None else key_scales.data_ptr(), None if value_scales is None else value_scales.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), rows.data_ptr(), rows.shape[0],
         out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, head_dim ** -0.5)
     if status != 0:
@@ -242,8 +253,7 @@ def cpu_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         raise ValueError("query, key and value need a contiguous last dimension, the pools to be contiguous")
     _call_store_kv(key_pool, value_pool, slot_mapping, key, value)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # (N, H, d), contiguous
-    _call_paged_decode(KERNEL_DTYPES[query.dtype], query, key_pool, value_pool, None, None, block_tables, seq_lens,
-                       rows, out)
+    _call_paged_decode(KERNEL_DTYPES[query.dtype], query, key_pool, value_pool, block_tables, seq_lens, rows, out)
     return out
 
 

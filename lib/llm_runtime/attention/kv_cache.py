@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from .causal import causal_attention
-from .kv_quant import SCALE_DTYPE, KVQuantization, QuantizedPools, dequantize_blocks
+from .kv_quant import ChannelScale, KVQuantization, KVScales, QuantizedPools, dequantize_blocks
 from ..config import ModelConfig
 
 
@@ -112,9 +112,10 @@ class PagedKVCache:
 
     Which blocks belong to which sequence is the BlockManager's business; this class only stores.
     Token t of a sequence lives at flat slot table[t // block_size] * block_size + t % block_size.
-    With `kv_cache_dtype` "int8" or "fp8" the pools hold 8-bit elements (`quantization.storage`) and,
-    for int8, `key_scales` and `value_scales` hold a float16 scale per slot and KV head (num_blocks,
-    block_size, num_kv_heads); `dtype` stays the model's, the dtype attention reads them back in.
+    With `kv_cache_dtype` "int8" or "fp8" the pools hold 8-bit elements (`quantization.storage`); an int8
+    pool reads them through `kv_scales`, a scale and zero per layer, KV head and channel (`kv_quant.py`,
+    measured by `kv_calibration.calibrate_kv_scales`). `dtype` stays the model's, the dtype attention
+    reads them back in.
     """
 
     def __init__(
@@ -128,18 +129,19 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         kv_cache_dtype: str = "auto",
+        kv_scales: KVScales | None = None,
     ) -> None:
         if min(num_layers, num_blocks, block_size, num_kv_heads, head_dim) < 1:
             raise ValueError("every paged KV cache dimension must be >= 1")
         self.quantization = quantization = KVQuantization.of(kv_cache_dtype, dtype)
+        if quantization.scaled:
+            _check_scales(kv_scales, num_layers, num_kv_heads, head_dim)
+        elif kv_scales is not None:
+            raise ValueError(f"a {kv_cache_dtype!r} pool takes no kv_scales")
+        self.kv_scales = None if kv_scales is None else kv_scales.to(device)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=quantization.storage, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=quantization.storage, device=device) for _ in range(num_layers)]
-        scales = shape[:3] if quantization.scaled else None
-        self.key_scales = [torch.zeros(scales, dtype=SCALE_DTYPE, device=device) for _ in range(num_layers)] \
-            if scales else []
-        self.value_scales = [torch.zeros(scales, dtype=SCALE_DTYPE, device=device) for _ in range(num_layers)] \
-            if scales else []
         self.dtype = dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -147,10 +149,10 @@ class PagedKVCache:
     @classmethod
     def for_model(
         cls, config: ModelConfig, num_blocks: int, block_size: int, *, dtype: torch.dtype, device: torch.device | str,
-        kv_cache_dtype: str = "auto",
+        kv_cache_dtype: str = "auto", kv_scales: KVScales | None = None,
     ) -> "PagedKVCache":
         return cls(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim,
-                   dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
+                   dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
 
     @property
     def quantized(self) -> bool:
@@ -162,24 +164,31 @@ class PagedKVCache:
         keep = slot_mapping >= 0
         if not bool(keep.all()):
             slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
-        for pools, scale_pools, x in ((self.keys, self.key_scales, k), (self.values, self.value_scales, v)):
-            stored, scale = self.quantization.quantize(x)
+        key_scale, value_scale = self.scales(layer_idx)
+        for pools, scale, x in ((self.keys, key_scale, k), (self.values, value_scale, v)):
+            stored = self.quantization.quantize(x, scale)
             pools[layer_idx].view(-1, *x.shape[1:])[slot_mapping] = stored  # (num_blocks * block_size, KV, d)
-            if scale is not None:
-                scale_pools[layer_idx].view(-1, x.shape[1])[slot_mapping] = scale  # (num_slots, KV)
+
+    def scales(self, layer_idx: int) -> tuple[ChannelScale | None, ChannelScale | None]:
+        """A layer's key and value scales (an int8 pool's), or (None, None)."""
+        if self.kv_scales is None:
+            return None, None
+        return self.kv_scales.keys[layer_idx], self.kv_scales.values[layer_idx]
 
     def layer(self, layer_idx: int) -> QuantizedPools:
-        """A layer's pools (and scales) as stored."""
-        scaled = self.quantization.scaled
-        return QuantizedPools(self.quantization, self.keys[layer_idx], self.values[layer_idx],
-                              self.key_scales[layer_idx] if scaled else None,
-                              self.value_scales[layer_idx] if scaled else None)
+        """A layer's pools as stored, with their scales."""
+        return QuantizedPools(self.quantization, self.keys[layer_idx], self.values[layer_idx], *self.scales(layer_idx))
+
+    def stored_as(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (..., KV, d) as this layer's pools hold them, read back in their dtype."""
+        key_scale, value_scale = self.scales(layer_idx)
+        return self.quantization.round_trip(k, key_scale), self.quantization.round_trip(v, value_scale)
 
     def read_blocks(self, layer_idx: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the given blocks (U,) in the model's dtype: (U, block_size, KV, d) each."""
         pools = self.layer(layer_idx)
-        return (dequantize_blocks(self.quantization, pools.key_pool, pools.key_scales, blocks, self.dtype),
-                dequantize_blocks(self.quantization, pools.value_pool, pools.value_scales, blocks, self.dtype))
+        return (dequantize_blocks(self.quantization, pools.key_pool, pools.key_scale, blocks, self.dtype),
+                dequantize_blocks(self.quantization, pools.value_pool, pools.value_scale, blocks, self.dtype))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks (source, destination) in every layer."""
@@ -187,22 +196,35 @@ class PagedKVCache:
             return
         sources = torch.tensor([s for s, _ in copies], device=self.keys[0].device)
         destinations = torch.tensor([d for _, d in copies], device=self.keys[0].device)
-        for pool in self.keys + self.values + self.key_scales + self.value_scales:
+        for pool in self.keys + self.values:
             pool[destinations] = pool[sources]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values + self.key_scales + self.value_scales)
+        """The pools' bytes (and an int8 pool's table of scales, the same whatever the pool's size)."""
+        scales = 0 if self.kv_scales is None else self.kv_scales.nbytes
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values) + scales
 
     def release(self) -> None:
         """Drop the pool's tensors (the engine is shutting down); the cache holds no memory afterwards."""
-        self.keys, self.values, self.key_scales, self.value_scales = [], [], [], []
+        self.keys, self.values, self.kv_scales = [], [], None
         self.num_blocks = 0
 
 
+def _check_scales(kv_scales: KVScales | None, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+    if kv_scales is None:
+        raise ValueError("an int8 pool needs kv_scales: calibrate_kv_scales(model) measures them "
+                         "(attention/kv_calibration.py), KVScales.uniform gives one range for all")
+    shapes = {tuple(s.scale.shape) for s in kv_scales.keys + kv_scales.values} | \
+        {tuple(s.zero.shape) for s in kv_scales.keys + kv_scales.values}
+    if len(kv_scales.keys) != num_layers or len(kv_scales.values) != num_layers or shapes != {(num_kv_heads, head_dim)}:
+        raise ValueError(f"kv_scales must hold {num_layers} layers of ({num_kv_heads}, {head_dim}) scales, got "
+                         f"{len(kv_scales.keys)} layers of {sorted(shapes)}")
+
+
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-    """Bytes of one block across all layers, K and V: block_size x 2 x layers x kv heads x head dim x size
-    (for a quantized pool: x the bytes of a stored head, its scale included)."""
+    """Bytes of one block across all layers, K and V: block_size x 2 x layers x kv heads x head dim x the
+    bytes of an element as stored."""
     quantization = KVQuantization.of(kv_cache_dtype, dtype)
     if not quantization.quantized:
         return block_size * config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())

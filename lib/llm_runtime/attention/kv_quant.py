@@ -4,11 +4,18 @@ The pool is most of an engine's memory, and at long contexts reading it is most 
 bytes. `EngineConfig(kv_cache_dtype=...)` picks how each key and value element is stored:
 
 - "auto": in the model's dtype (4 bytes an element in float32, 2 in bfloat16).
-- "int8": q = round(x / s) in [-127, 127], one scale s = max |x| / 127 per token and KV head, kept
-  in float16 beside the pool: head_dim + 2 bytes per head and token (66 for head_dim 64, against
-  256 in float32: 3.88x the tokens in the same bytes). The error of an element is at most s / 2.
+- "int8": q = round((x - z) / s) in [-127, 127], with a scale s and a zero z per layer, KV head and
+  channel, fixed before the first request (`ChannelScale`, `KVScales`): exactly 1 byte an element, 4x
+  the tokens of float32 in the same bytes, plus one small table (92 KB for the bundled model). Keys
+  need their own range per channel: a few channels of a head are ten times the others and sit off
+  zero, whatever the token. The ranges are measured once, on a text run through the model
+  (`kv_calibration.py`), with some headroom; an element beyond its channel's range is clamped.
+  Within it the error of an element is at most s / 2.
 - "fp8": float8 e4m3 (4 exponent bits, 3 mantissa bits, largest 448), no scale: exactly 1 byte an
   element, 4x float32; a relative error of at most 2^-4 per element, whatever its size.
+
+Lesson 13 weighs the other place a scale could live, one per token and KV head: it follows each
+token's size and needs no calibration, but its 2 bytes beside 64 make 3.88x instead of 4x.
 
 Writing quantizes (`KVQuantization.quantize`). A backend that reads 8-bit keys where they lie (the
 `cpu` backend's C kernel: `reads_quantized_kv`, `forward_quantized` over `QuantizedPools`) needs nothing
@@ -29,57 +36,101 @@ from .metadata import AttentionMetadata
 
 INT8_MAX = 127
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn
-SCALE_DTYPE = torch.float16
-_SMALLEST_SCALE = 2.0**-24  # float16's smallest subnormal: an all-zero head still gets a usable scale
+
+
+@dataclass(frozen=True)
+class ChannelScale:
+    """One layer's keys (or values) in an int8 pool: element = stored * scale + zero, per KV head and channel."""
+
+    scale: torch.Tensor  # (KV, d) float32, > 0
+    zero: torch.Tensor  # (KV, d) float32
+
+    @classmethod
+    def spanning(cls, low: torch.Tensor, high: torch.Tensor, headroom: float = 1.0) -> "ChannelScale":
+        """The scale whose 255 steps cover [low, high] (KV, d) widened by `headroom` about its middle."""
+        if headroom < 1.0:
+            raise ValueError(f"headroom must be at least 1, got {headroom}")
+        half = (high.float() - low.float()) / 2 * headroom
+        half = half.clamp_min(float(half.max()) * 1e-6 + 1e-12)  # a channel that never moved still gets a step
+        return cls(half / INT8_MAX, (high.float() + low.float()) / 2)
+
+    def to(self, device: torch.device | str) -> "ChannelScale":
+        return ChannelScale(self.scale.to(device), self.zero.to(device))
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """An int8 pool's scales, per layer: `keys[layer]` and `values[layer]`."""
+
+    keys: tuple[ChannelScale, ...]
+    values: tuple[ChannelScale, ...]
+
+    @classmethod
+    def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int, bound: float) -> "KVScales":
+        """Every channel of every layer over [-bound, bound]: for tests, and for a pool with nothing to calibrate on."""
+        edge = torch.full((num_kv_heads, head_dim), float(bound))
+        scale = ChannelScale.spanning(-edge, edge)
+        return cls((scale,) * num_layers, (scale,) * num_layers)
+
+    def to(self, device: torch.device | str) -> "KVScales":
+        return KVScales(tuple(s.to(device) for s in self.keys), tuple(s.to(device) for s in self.values))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.keys + self.values for t in (s.scale, s.zero))
 
 
 @dataclass(frozen=True)
 class KVQuantization:
-    """How one element of the pool is stored: `storage` dtype, with a scale per token and KV head or not."""
+    """How one element of the pool is stored: in `storage`, with a `ChannelScale` (int8) or as it is."""
 
     name: str  # one of KV_CACHE_DTYPES
     storage: torch.dtype
-    scaled: bool
 
     @classmethod
     def of(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> "KVQuantization":
         if kv_cache_dtype == "auto":
-            return cls("auto", model_dtype, False)
+            return cls("auto", model_dtype)
         if kv_cache_dtype == "int8":
-            return cls("int8", torch.int8, True)
+            return cls("int8", torch.int8)
         if kv_cache_dtype == "fp8":
-            return cls("fp8", torch.float8_e4m3fn, False)
+            return cls("fp8", torch.float8_e4m3fn)
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
 
     @property
     def quantized(self) -> bool:
         return self.name != "auto"
 
+    @property
+    def scaled(self) -> bool:
+        """Whether stored elements need a `ChannelScale` to be read."""
+        return self.name == "int8"
+
     def head_bytes(self, head_dim: int) -> int:
-        """Bytes of one KV head of one token: its elements, plus its scale when there is one."""
-        element = torch.empty((), dtype=self.storage).element_size()
-        return head_dim * element + (torch.empty((), dtype=SCALE_DTYPE).element_size() if self.scaled else 0)
+        """Bytes of one KV head of one token."""
+        return head_dim * torch.empty((), dtype=self.storage).element_size()
 
-    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x (..., head_dim) -> (stored values (..., head_dim), scales (...) or None)."""
+    def quantize(self, x: torch.Tensor, scale: ChannelScale | None = None) -> torch.Tensor:
+        """x (..., KV, d) -> the stored values, same shape (int8: `scale` broadcast over the leading dims)."""
         if not self.quantized:
-            return x, None
+            return x
         if self.name == "fp8":
-            return x.float().clamp(-FP8_MAX, FP8_MAX).to(self.storage), None
-        x = x.float()
-        scale = (x.abs().amax(-1) / INT8_MAX).clamp_min(_SMALLEST_SCALE).to(SCALE_DTYPE)  # (...)
-        q = torch.round(x / scale.float()[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-        return q, scale
+            return x.float().clamp(-FP8_MAX, FP8_MAX).to(self.storage)
+        if scale is None:
+            raise ValueError("an int8 pool needs its scales")
+        return torch.round((x.float() - scale.zero) / scale.scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
 
-    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        """x as the pool stores it, read back in x's dtype."""
-        return self.dequantize(*self.quantize(x), x.dtype) if self.quantized else x
-
-    def dequantize(self, stored: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    def dequantize(self, stored: torch.Tensor, scale: ChannelScale | None, dtype: torch.dtype) -> torch.Tensor:
         """The inverse of `quantize`, in `dtype`."""
-        if scale is None:  # the model's dtype, or float8
+        if self.name != "int8":  # the model's dtype, or float8
             return stored.to(dtype)
-        return (stored.float() * scale.float()[..., None]).to(dtype)
+        if scale is None:
+            raise ValueError("an int8 pool needs its scales")
+        return (stored.float() * scale.scale + scale.zero).to(dtype)
+
+    def round_trip(self, x: torch.Tensor, scale: ChannelScale | None = None) -> torch.Tensor:
+        """x as the pool stores it, read back in x's dtype."""
+        return self.dequantize(self.quantize(x, scale), scale, x.dtype) if self.quantized else x
 
 
 @dataclass(frozen=True)
@@ -89,8 +140,8 @@ class QuantizedPools:
     quantization: KVQuantization
     key_pool: torch.Tensor  # (num_blocks, block_size, KV, d) int8 or float8_e4m3fn
     value_pool: torch.Tensor
-    key_scales: torch.Tensor | None  # (num_blocks, block_size, KV) float16 for int8; None for fp8
-    value_scales: torch.Tensor | None
+    key_scale: ChannelScale | None  # int8's; None for fp8
+    value_scale: ChannelScale | None
 
 
 @dataclass(frozen=True)
@@ -126,8 +177,7 @@ def compact_step(metadata: AttentionMetadata, whole_pool: int | None = None) -> 
     return CompactStep(compact, blocks)
 
 
-def dequantize_blocks(quantization: KVQuantization, pool: torch.Tensor, scales: torch.Tensor | None,
+def dequantize_blocks(quantization: KVQuantization, pool: torch.Tensor, scale: ChannelScale | None,
                       blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """pool (num_blocks, block_size, KV, d) stored, scales (num_blocks, block_size, KV) -> the given
-    blocks in `dtype`: (U, block_size, KV, d)."""
-    return quantization.dequantize(pool[blocks], None if scales is None else scales[blocks], dtype)
+    """pool (num_blocks, block_size, KV, d) stored -> the given blocks (U,) in `dtype`: (U, block_size, KV, d)."""
+    return quantization.dequantize(pool[blocks], scale, dtype)

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..attention import AttentionMetadata, PagedAttentionStep, PagedKVCache, select_backend
+from ..attention.kv_quant import KVScales
 from ..model import CausalLM
 
 EVAL_TEXT = Path(__file__).with_name("data") / "eval_text.txt"
@@ -47,9 +48,10 @@ class QualityReport:
     reference_perplexity: float
 
 
-def _logprobs(model: CausalLM, inputs: list[int], kv_cache_dtype: str = "auto") -> torch.Tensor:
+def _logprobs(model: CausalLM, inputs: list[int], kv_cache_dtype: str = "auto",
+              kv_scales: KVScales | None = None) -> torch.Tensor:
     """(T, vocab) next-token log-probabilities over `inputs`; through a paged pool stored as `kv_cache_dtype`
-    unless "auto" (then one plain forward)."""
+    (int8: with `kv_scales`) unless "auto" (then one plain forward)."""
     input_ids = torch.tensor([inputs], device=model.device)  # (1, T)
     if kv_cache_dtype == "auto":
         hidden = model(input_ids)
@@ -57,7 +59,7 @@ def _logprobs(model: CausalLM, inputs: list[int], kv_cache_dtype: str = "auto") 
         block_size = 16
         num_blocks = -(-len(inputs) // block_size)
         cache = PagedKVCache.for_model(model.config, num_blocks, block_size, dtype=model.dtype, device=model.device,
-                                       kv_cache_dtype=kv_cache_dtype)
+                                       kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
         metadata = AttentionMetadata.build([list(range(num_blocks))], [0], [len(inputs)], block_size=block_size,
                                            device=model.device)
         step = PagedAttentionStep(cache, select_backend("auto", model.device, model.dtype), metadata)
@@ -67,18 +69,22 @@ def _logprobs(model: CausalLM, inputs: list[int], kv_cache_dtype: str = "auto") 
 
 @torch.inference_mode()
 def compare(model: CausalLM, reference: CausalLM, token_ids: list[int], window: int = 256,
-            kv_cache_dtype: str = "auto") -> QualityReport:
+            kv_cache_dtype: str = "auto", kv_scales: KVScales | None = None) -> QualityReport:
     """`model` against `reference` over `token_ids`, in independent windows of `window` tokens; `model`'s keys
-    and values stored as `kv_cache_dtype` (the reference's in full precision)."""
+    and values stored as `kv_cache_dtype` (the reference's in full precision); an int8 pool's scales are
+    `kv_scales` (`attention/kv_calibration.py` measures them on its own text, not this one)."""
     if len(token_ids) < 2:
         raise ValueError("the text needs at least two tokens")
+    if kv_cache_dtype == "int8" and kv_scales is None:
+        raise ValueError("an int8 pool needs kv_scales: calibrate_kv_scales(model, calibration_token_ids(tokenizer, "
+                         "vocab_size)) measures them as an engine does (attention/kv_calibration.py)")
     agree = positions = 0
     kl_sum = nll_sum = reference_nll_sum = 0.0
     for start in range(0, len(token_ids) - 1, window):
         chunk = token_ids[start : start + window + 1]  # the window and the token after it
         inputs = chunk[:-1]
         targets = torch.tensor(chunk[1:])
-        test = _logprobs(model, inputs, kv_cache_dtype)  # (T, vocab)
+        test = _logprobs(model, inputs, kv_cache_dtype, kv_scales)  # (T, vocab)
         ref = _logprobs(reference, inputs)
         agree += int((test.argmax(-1) == ref.argmax(-1)).sum())
         kl_sum += float((ref.exp() * (ref - test)).sum())

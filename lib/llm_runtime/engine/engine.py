@@ -27,7 +27,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..attention.kv_calibration import calibrate_kv_scales, calibration_token_ids
 from ..attention.kv_cache import PagedKVCache, kv_block_bytes, num_blocks_in
+from ..attention.kv_quant import KVScales
 from ..attention.selector import select_backend
 from ..config import EngineConfig
 from ..errors import EngineDeadError, InvalidRequestError
@@ -147,7 +149,8 @@ class LLMEngine:
         # Unless asked for, a context longer than the whole pool is not offered.
         self.max_model_len = min(context_len, num_blocks * block_size)
         self.kv_cache = PagedKVCache.for_model(model.config, num_blocks, block_size, dtype=model.dtype,
-                                               device=model.device, kv_cache_dtype=config.kv_cache_dtype)
+                                               device=model.device, kv_cache_dtype=config.kv_cache_dtype,
+                                               kv_scales=self._calibrate_kv_scales())
         CPU_DEVICE.register(self)  # the emulated device's book of what live engines hold (kv_budget.py)
         self.is_shut_down = False
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
@@ -262,6 +265,20 @@ class LLMEngine:
             warnings.warn(f"capturing decode steps in CUDA graphs failed ({type(error).__name__}: {error}); "
                           f"every step runs eagerly (cuda_graphs=False silences this)", RuntimeWarning,
                           stacklevel=3)
+
+    def _calibrate_kv_scales(self) -> KVScales | None:
+        """An int8 pool's scales, from the model's keys and values over the calibration text placed across
+        the context asked for (`max_model_len`, else the model's; attention/kv_calibration.py): the same for
+        every pool size. None for any other pool."""
+        if self.config.kv_cache_dtype != "int8":
+            return None
+        started = time.perf_counter()
+        token_ids = calibration_token_ids(self.tokenizer, self.model.config.vocab_size)
+        positions = self.config.max_model_len or self.model.config.max_position_embeddings
+        scales = calibrate_kv_scales(self.model, token_ids, max_position=positions)
+        logger.info("int8 KV cache: scales from %d tokens across %d positions in %.2f s", len(token_ids),
+                    positions, time.perf_counter() - started)
+        return scales
 
     def _num_kv_blocks(self, max_model_len: int, graphs: bool) -> int:
         """The pool size: num_kv_blocks, else kv_cache_memory, else what the device has left (kv_budget.py),

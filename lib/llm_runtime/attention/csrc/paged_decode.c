@@ -11,23 +11,20 @@
  * Exported, one per pair of (query and output type, pool element type), the body being
  * paged_decode_body.h included once per pair:
  *   paged_decode_f32, paged_decode_bf16          a pool in the query's own type
- *   paged_decode_f32_i8, paged_decode_bf16_i8    an int8 pool, with a float16 scale per slot and KV head
+ *   paged_decode_f32_i8, paged_decode_bf16_i8    an int8 pool, its elements as stored (no scales)
  *   paged_decode_f32_fp8, paged_decode_bf16_fp8  a float8 e4m3fn pool, without scales
  * Each returns 0, or 1 for shapes it does not handle.
  *
- * 8-bit pools (kv_quant.py) are read as stored too: an element stands for q * s, with q the stored
- * int8 and s the scale of its slot and KV head, or for the float8 number itself (s = 1). Elements
- * become float32 in registers, 16 at a time, as the dot products and the value sums load them.
- * The scale is the same across a key's head_dim elements, so it comes out of the sums:
- *   score  = query . (k s)    = (query . k) * s_key       once per key, after its dot product
- *   output += p * (v s)       = (p * s_value) * v         once per value, on its softmax weight p
- * while the softmax's running sum adds the weights p themselves.
+ * 8-bit pools (kv_quant.py) are read as stored too: an int8 element is the integer q itself, a float8
+ * one its number. Elements become float32 in registers, 16 at a time, as the dot products and the
+ * value sums load them. An int8 pool's element stands for q * s + z, with a scale s and a zero z per
+ * layer, KV head and channel, the same for every token; so the caller folds them in around the call
+ * (cpu_kernels.py): s_key into the query, s_value and z_value into the output, and z_key is a constant
+ * added to every score of a query, which the softmax does not see.
  *
  * Layouts (all row-major, element strides):
  *   query      (N, H, d)  rows `rows[b]` are the decodes; q_row_stride / q_head_stride given, d contiguous
  *   key_pool   (num_blocks, block_size, KV, d) contiguous; value_pool the same
- *   key_scales (num_blocks, block_size, KV) float16 (as raw bits), contiguous; value_scales the same;
- *              both NULL for a pool without scales
  *   block_tables (B, table_stride) int32; seq_lens (B,) int32; rows (B,) int64
  *   out        (N, H, d) contiguous; only the decode rows are written
  *
@@ -87,7 +84,7 @@ static inline float fp8_to_float(uint8_t x) {
     return v.f;
 }
 
-static inline float int8_to_float(int8_t x) { return (float)x; }  /* the scale is applied per key */
+static inline float int8_to_float(int8_t x) { return (float)x; }  /* scale and zero: folded in by the caller */
 static inline float f32_to_float(float x) { return x; }
 
 /* slots[t] for positions first .. first + n - 1 of a sequence: pool slot = block * block_size + offset. */

@@ -12,22 +12,16 @@
  * cannot know where the next chunk is; while head g of this chunk is computed, head g's keys and
  * values of the chunk PREFETCH_AHEAD on are requested, a few lines at a time, so that the requests
  * overlap the arithmetic instead of stalling it in one burst.
- *
- * With scales (an int8 pool: key_scales and value_scales not NULL), each key's score is multiplied
- * by its key's scale once its dot product is done, and each weight p by its value's scale once the
- * running sum has taken p (paged_decode.c explains why that is the same as scaling every element).
  */
 int NAME(const Q *query, int64_t q_row_stride, int64_t q_head_stride,
-         const P *key_pool, const P *value_pool, const uint16_t *key_scales, const uint16_t *value_scales,
+         const P *key_pool, const P *value_pool,
          const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
          const int64_t *rows, int64_t num_seqs, Q *out,
          int num_heads, int num_kv_heads, int head_dim, int block_size, float scale) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || block_size <= 0
-        || (int64_t)num_heads * head_dim > MAX_STATE || num_heads > MAX_HEADS
-        || (key_scales == NULL) != (value_scales == NULL))
+        || (int64_t)num_heads * head_dim > MAX_STATE || num_heads > MAX_HEADS)
         return 1;
     const int group = num_heads / num_kv_heads;
-    const int scaled = key_scales != NULL;
     const int64_t slot_stride = (int64_t)num_kv_heads * head_dim;  /* one pool slot: every KV head */
     const int64_t head_bytes = head_dim * (int64_t)sizeof(P);  /* one KV head of one slot */
 
@@ -55,11 +49,6 @@ int NAME(const Q *query, int64_t q_row_stride, int64_t q_head_stride,
             int64_t slots[CHUNK], ahead_slots[CHUNK];
             slots_of(slots, table, block_size, first, n);
             slots_of(ahead_slots, table, block_size, ahead, n_ahead);
-            if (scaled)  /* the scales of the chunk ahead, every KV head's at once: a line holds several slots' */
-                for (int t = 0; t < n_ahead; t++) {
-                    __builtin_prefetch(key_scales + ahead_slots[t] * num_kv_heads, 0, 2);
-                    __builtin_prefetch(value_scales + ahead_slots[t] * num_kv_heads, 0, 2);
-                }
             for (int g = 0; g < num_kv_heads; g++) {
                 const int h0 = g * group;  /* query heads h0 .. h0 + group - 1 share KV head g */
                 const P *keys[CHUNK], *values[CHUNK];  /* past the chunk's end: its last row again */
@@ -68,27 +57,14 @@ int NAME(const Q *query, int64_t q_row_stride, int64_t q_head_stride,
                     keys[t] = key_pool + offset;
                     values[t] = value_pool + offset;
                 }
-                float key_scale[CHUNK], value_scale[CHUNK];  /* with scales: each key's and value's */
-                if (scaled)
-                    for (int t = 0; t < n; t++) {
-                        key_scale[t] = fp16_to_float(key_scales[slots[t] * num_kv_heads + g]);
-                        value_scale[t] = fp16_to_float(value_scales[slots[t] * num_kv_heads + g]);
-                    }
-                /* 1. Scores of this chunk, s = q . k (times the key's scale), for each head of the group. */
+                /* 1. Scores of this chunk, s = q . k, for each head of the group. */
                 for (int t = 0; t < n_ahead; t++)
                     prefetch_bytes(key_pool + ahead_slots[t] * slot_stride + (int64_t)g * head_dim, head_bytes);
-                for (int h = h0; h < h0 + group; h++) {
-                    CHUNK_SCORES(scores[h], q + h * head_dim, keys, n, head_dim);
-                    if (scaled)
-                        for (int t = 0; t < n; t++) scores[h][t] *= key_scale[t];
-                }
+                for (int h = h0; h < h0 + group; h++) CHUNK_SCORES(scores[h], q + h * head_dim, keys, n, head_dim);
                 /* 2. The online softmax: a new running maximum, what was summed under the old one
-                      rescaled, and this chunk's weights p = exp(s - max) added to the running sum
-                      (then, with scales, each weight times its value's scale, for step 3 alone). */
+                      rescaled, and this chunk's weights p = exp(s - max) added to the running sum. */
                 for (int h = h0; h < h0 + group; h++) {
                     const float correction = chunk_softmax(scores[h], n, &running_max[h], &running_sum[h]);
-                    if (scaled)
-                        for (int t = 0; t < n; t++) scores[h][t] *= value_scale[t];
                     float *a = acc + h * head_dim;
                     #pragma omp simd
                     for (int i = 0; i < head_dim; i++) a[i] *= correction;
