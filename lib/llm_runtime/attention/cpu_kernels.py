@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from .kv_quant import ChannelScale
-from ..native import FLAG_SETS, KernelUnavailable, build_library  # noqa: F401 (tests set FLAG_SETS here)
+from ..native import FLAG_SETS, KernelUnavailable, build_library
+from ..native.operators import define_operator  # noqa: F401 (tests set FLAG_SETS here)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("paged_decode.c", "paged_decode_body.h", "store_kv.c")
@@ -238,8 +239,7 @@ def _call_store_kv(key_pool: torch.Tensor, value_pool: torch.Tensor, slot_mappin
         raise ValueError(f"slot_mapping has a slot outside [-1, {num_slots})")
 
 
-@torch.library.custom_op("llm_runtime::cpu_paged_attention", mutates_args=("key_pool", "value_pool"))
-def cpu_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,
+def _cpu_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,
                         value_pool: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """`store_kv` of this step's key, value (N, KV, d), then `paged_decode` of query (N, H, d) for every row of
@@ -257,7 +257,11 @@ def cpu_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return out
 
 
-@cpu_paged_attention.register_fake
+cpu_paged_attention = define_operator("cpu_paged_attention", _cpu_paged_attention,
+                                      mutates_args=("key_pool", "value_pool"))
+
+
+@torch.library.register_fake("llm_runtime::cpu_paged_attention")
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
       slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
       rows: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ call that runs the graph's kernels back to back.
 
 What the tracer must not meet, and how this keeps it out:
 - code it cannot see into (ctypes calls into this package's C kernels): each is one PyTorch operator
-  (`torch.library.custom_op`), which the graph keeps as one node. A layer's attention is the backend's
+  (`native/operators.py`), which the graph keeps as one node. A layer's attention is the backend's
   `attend_compiled` (for the `cpu` backend, `cpu_paged_attention`: store the step's keys and values,
   attend every row); the quantized products (`int4_matmul`, `q8_matmul_t`) and oneDNN's packed product
   (`packed_linear`) are operators too;

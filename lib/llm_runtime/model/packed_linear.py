@@ -33,6 +33,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..native.operators import define_operator
+
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # The number of rows oneDNN tunes the packed layout for; any row count works with the result.
 PACKING_ROWS_HINT = 128
@@ -54,13 +56,15 @@ def packing_unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
-@torch.library.custom_op("llm_runtime::packed_linear", mutates_args=())
-def packed_linear(rows: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """rows (M, in) @ W^T + b -> (M, out), W (out, in) in oneDNN's packed layout: one operator to torch.compile."""
+def _packed_product(rows: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows (M, in) @ W^T + b -> (M, out), W (out, in) in oneDNN's packed layout."""
     return torch.ops.mkldnn._linear_pointwise(rows, packed_weight, bias, "none", [], "")
 
 
-@packed_linear.register_fake
+packed_linear = define_operator("packed_linear", _packed_product, dispatch_keys=("CPU", "MkldnnCPU"))  # one operator to torch.compile
+
+
+@torch.library.register_fake("llm_runtime::packed_linear")
 def _(rows: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return rows.new_empty(rows.shape[0], packed_weight.shape[0])
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..native.operators import define_operator
 from .quantized_kernels import kernels_unavailable_reason, q8_dequantize, q8_matmul
 
 BLOCK = 32  # columns per Q8_0 block
@@ -89,10 +90,10 @@ def _dequantized_rows(q: torch.Tensor, d: torch.Tensor, index: torch.Tensor) -> 
 
 
 # `q8_product` as one operator for torch.compile (engine/compiled_forward.py), as `int4_matmul` is.
-q8_matmul_t = torch.library.custom_op("llm_runtime::q8_matmul_t", q8_product, mutates_args=())
+q8_matmul_t = define_operator("q8_matmul_t", q8_product, dispatch_keys=("CPU", "CUDA"))
 
 
-@q8_matmul_t.register_fake
+@torch.library.register_fake("llm_runtime::q8_matmul_t")
 def _(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], q.shape[1])
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..native.operators import define_operator
 from .quantized_kernels import int4_dequantize_t, kernels_unavailable_reason
 
 QUANTIZATIONS = ("int8", "int4", "gguf")
@@ -162,10 +163,10 @@ def int4_product(rows: torch.Tensor, packed: torch.Tensor, group_size: int,
 
 # `int4_product` as one operator for torch.compile (engine/compiled_forward.py): the tracer cannot see into
 # the C kernel, and the choice by row count stays inside, so one graph serves every row count.
-int4_matmul = torch.library.custom_op("llm_runtime::int4_matmul", int4_product, mutates_args=())
+int4_matmul = define_operator("int4_matmul", int4_product, dispatch_keys=("CPU", "CUDA"))
 
 
-@int4_matmul.register_fake
+@torch.library.register_fake("llm_runtime::int4_matmul")
 def _(rows: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     return rows.new_empty(rows.shape[0], scales_and_zeros.shape[1])  # (M, N padded)
 
