@@ -127,7 +127,7 @@ def _q8_tied_head_(model) -> None:
     model.model.embed_tokens, model.lm_head = Q8Embedding(table), Q8Head(table)
 
 
-@pytest.mark.parametrize("layers", ["packed", "int8", "int4 and a Q8_0 head"])
+@pytest.mark.parametrize("layers", ["packed", "int8", "int8 in groups", "int4 and a Q8_0 head"])
 def test_packed_and_quantized_layers_inside_the_graph(tiny_pairs, layers: str) -> None:
     """oneDNN's packed product and the quantized products are operators of this package's inside the graph
     (`packed_linear`, `int4_matmul`, `q8_matmul_t`; PyTorch's int8 kernel directly): the same tokens as eager."""
@@ -136,6 +136,8 @@ def test_packed_and_quantized_layers_inside_the_graph(tiny_pairs, layers: str) -
         pack_linears_(model)
     elif layers == "int8":
         quantize_linears_(model, "int8", dtype=torch.float32)
+    elif layers == "int8 in groups":  # the Q8_0 table's operator with a minimum
+        quantize_linears_(model, "int8", group_size=32, dtype=torch.float32)
     else:
         _q8_tied_head_(model)
         quantize_linears_(model, "int4", dtype=torch.float32)

@@ -38,12 +38,13 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     cache_dir: str | Path | None = None,
     quantization: str | None = None,
-    group_size: int = 32,
+    group_size: int | None = None,
 ) -> tuple[CausalLM, Tokenizer]:
     """Load (model, tokenizer): None = bundled SmolLM2-135M-Instruct, else a local folder or a hub id.
 
-    `quantization` (lesson 13): "int8" (per output channel) or "int4" (groups of `group_size` input
-    columns) quantizes the linear layers at load time; "gguf" runs the bundled model's own Q4_1 blocks as
+    `quantization` (lesson 13): "int8" (per output channel; with `group_size=32`, in groups of 32 input
+    columns with a zero) or "int4" (groups of `group_size` input columns, default 32) quantizes the linear
+    layers at load time; "gguf" runs the bundled model's own Q4_1 blocks as
     int4 and keeps its Q8_0 embedding (tied to the head) as int8. A quantized model computes in bfloat16 unless `dtype` says float32 (the kernels' fast path)."""
     resolved_device = resolve_device(device)
     if quantization is not None:

@@ -32,16 +32,18 @@ TILE_ROWS = 4096  # vocabulary rows turned back into the compute dtype at once
 class Q8Table(nn.Module):
     """The Q8_0 table, block-major so each block of columns is one contiguous (vocab, 32) int8 matrix."""
 
-    def __init__(self, q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> None:
-        """q (vocab, hidden) int8, d (vocab, hidden / 32) float32: weight = d * q per block."""
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype, m: torch.Tensor | None = None) -> None:
+        """q (vocab, hidden) int8, d (vocab, hidden / 32) float32: weight = d * q per block (+ m, a minimum per
+        block shaped as d, for int8 in groups with a zero: quantized_linear.Int8GroupLinear)."""
         super().__init__()
         vocab, hidden = q.shape
-        if hidden % BLOCK or d.shape != (vocab, hidden // BLOCK):
-            raise ValueError(f"a Q8_0 table of {tuple(q.shape)} needs scales of {(vocab, hidden // BLOCK)}, "
-                             f"got {tuple(d.shape)}")
+        if hidden % BLOCK or d.shape != (vocab, hidden // BLOCK) or (m is not None and m.shape != d.shape):
+            raise ValueError(f"a Q8_0 table of {tuple(q.shape)} needs scales (and minimums) of "
+                             f"{(vocab, hidden // BLOCK)}, got {tuple(d.shape)}")
         self.vocab_size, self.hidden_size = vocab, hidden
         self.register_buffer("q", q.view(vocab, -1, BLOCK).transpose(0, 1).contiguous())  # (blocks, vocab, 32)
         self.register_buffer("d", d.t().contiguous().to(dtype))  # (blocks, vocab)
+        self.register_buffer("m", None if m is None else m.t().contiguous().to(dtype))  # (blocks, vocab)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -49,43 +51,47 @@ class Q8Table(nn.Module):
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` (...) of the table in the compute dtype: (..., hidden)."""
-        return _dequantized_rows(self.q, self.d, index.reshape(-1)).reshape(*index.shape, self.hidden_size)
+        return _dequantized_rows(self.q, self.d, self.m, index.reshape(-1)).reshape(*index.shape, self.hidden_size)
 
     def matmul_t(self, x: torch.Tensor) -> torch.Tensor:
         """x (M, hidden) @ table^T -> (M, vocab)."""
         product = q8_matmul_t if torch.compiler.is_compiling() else q8_product  # traced: one operator
-        return product(x.to(self.dtype), self.q, self.d)
+        return product(x.to(self.dtype), self.q, self.d, self.m)
 
 
-def q8_product(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+def q8_product(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, hidden) @ W^T -> (M, vocab) for a block-major Q8_0 table q (blocks, vocab, 32), d (blocks, vocab) in
-    x's dtype, by the kernel that suits M (module docstring)."""
+    x's dtype (and its minimum m, shaped as d, if any), by the kernel that suits M (module docstring)."""
     vocab = q.shape[1]
     if x.device.type == "cpu" and kernels_unavailable_reason() is None:  # this package's C kernels
         if x.shape[0] <= SMALL_M:
-            return q8_matmul(x.contiguous(), q, d)
+            return q8_matmul(x.contiguous(), q, d, m)
         out = x.new_empty(x.shape[0], vocab)
         for start in range(0, vocab, TILE_ROWS):
-            tile = q8_dequantize(q, d, start, min(start + TILE_ROWS, vocab))  # (tile, hidden)
+            tile = q8_dequantize(q, d, start, min(start + TILE_ROWS, vocab), m)  # (tile, hidden)
             out[:, start : start + tile.shape[0]] = x @ tile.t()  # (M, tile)
         return out
     if x.shape[0] <= SMALL_M:
         out = None
-        for block in range(q.shape[0]):  # sum over blocks of x_b @ (d_b * q_b)^T
-            part = torch._weight_int8pack_mm(x[:, block * BLOCK : (block + 1) * BLOCK].contiguous(), q[block],
-                                             d[block])  # (M, vocab)
+        for block in range(q.shape[0]):  # sum over blocks of x_b @ (d_b * q_b + m_b)^T
+            x_block = x[:, block * BLOCK : (block + 1) * BLOCK].contiguous()  # (M, 32)
+            part = torch._weight_int8pack_mm(x_block, q[block], d[block])  # (M, vocab)
+            if m is not None:
+                part = part + x_block.sum(-1, keepdim=True) * m[block]  # every weight of the block + m
             out = part if out is None else out.add_(part)
         return out
     out = x.new_empty(x.shape[0], vocab)
     for start in range(0, vocab, TILE_ROWS):
-        tile = _dequantized_rows(q, d, torch.arange(start, min(start + TILE_ROWS, vocab), device=x.device))
+        tile = _dequantized_rows(q, d, m, torch.arange(start, min(start + TILE_ROWS, vocab), device=x.device))
         out[:, start : start + tile.shape[0]] = x @ tile.t()  # (M, tile)
     return out
 
 
-def _dequantized_rows(q: torch.Tensor, d: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows `index` (n,) of a block-major Q8_0 table in d's dtype: (n, hidden)."""
+def _dequantized_rows(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` (n,) of a block-major Q8_0 table (with its minimum m, if any) in d's dtype: (n, hidden)."""
     rows = q.permute(1, 0, 2)[index].to(d.dtype) * d.t()[index][..., None]  # (n, blocks, 32), contiguous
+    if m is not None:
+        rows = rows + m.t()[index][..., None]
     return rows.flatten(1)
 
 
@@ -94,7 +100,7 @@ q8_matmul_t = define_operator("q8_matmul_t", q8_product, dispatch_keys=("CPU", "
 
 
 @torch.library.register_fake("llm_runtime::q8_matmul_t")
-def _(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty(x.shape[0], q.shape[1])
 
 

@@ -32,8 +32,8 @@ SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = {
     "int4_dequantize_t": [_P, _P, _I, _I, _I, _P],  # packed, scales_and_zeros, N, K, group, out
-    "q8_matmul": [_P, _I, _I, _P, _P, _I, _I, _P],  # x, x_stride, M, q, d, V, blocks, out
-    "q8_dequantize": [_P, _P, _I, _I, _I, _I, _P],  # q, d, V, blocks, v0, v1, out
+    "q8_matmul": [_P, _I, _I, _P, _P, _P, _I, _I, _P],  # x, x_stride, M, q, d, mins (or NULL), V, blocks, out
+    "q8_dequantize": [_P, _P, _P, _I, _I, _I, _I, _P],  # q, d, mins (or NULL), V, blocks, v0, v1, out
 }
 
 
@@ -93,9 +93,9 @@ def int4_dequantize_t(packed: torch.Tensor, scales_and_zeros: torch.Tensor, in_f
     return out
 
 
-def q8_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+def q8_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) @ W^T -> (M, V) in x's dtype, W a block-major Q8_0 table: q (K / 32, V, 32) int8, d (K / 32, V)
-    in x's dtype, W[v, 32 b + j] = q[b, v, j] * d[b, v]."""
+    in x's dtype, W[v, 32 b + j] = q[b, v, j] * d[b, v] (+ m[b, v], a minimum like d, when given)."""
     blocks, vocab, _ = q.shape
     if q.dtype != torch.int8 or q.shape[2] != 32 or d.shape != (blocks, vocab) or d.dtype != x.dtype:
         raise ValueError(f"q must be int8 (blocks, V, 32) and d (blocks, V) in {x.dtype}, "
@@ -103,24 +103,38 @@ def q8_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor
     if x.dim() != 2 or x.shape[1] != blocks * 32 or x.stride(1) != 1:
         raise ValueError(f"x must be (M, {blocks * 32}) with contiguous rows, got {tuple(x.shape)}")
     _check_cpu_contiguous(q=q, d=d)
+    mins = _checked_mins(m, d)
     out = torch.empty(x.shape[0], vocab, dtype=x.dtype)
     if x.shape[0] and _function("q8_matmul", x.dtype)(x.data_ptr(), x.stride(0), x.shape[0], q.data_ptr(),
-                                                       d.data_ptr(), vocab, blocks, out.data_ptr()) != 0:
+                                                       d.data_ptr(), mins, vocab, blocks, out.data_ptr()) != 0:
         raise RuntimeError("the Q8_0 kernel failed")
     return out
 
 
-def q8_dequantize(q: torch.Tensor, d: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """Rows start .. stop - 1 of a block-major Q8_0 table (as `q8_matmul`) in d's dtype: (stop - start, K)."""
+def q8_dequantize(q: torch.Tensor, d: torch.Tensor, start: int, stop: int,
+                  m: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows start .. stop - 1 of a block-major Q8_0 table (as `q8_matmul`, with its minimum m if any) in d's
+    dtype: (stop - start, K)."""
     blocks, vocab, _ = q.shape
     if not 0 <= start <= stop <= vocab:
         raise ValueError(f"rows {start}..{stop} are outside a table of {vocab}")
     _check_cpu_contiguous(q=q, d=d)
+    mins = _checked_mins(m, d)
     out = torch.empty(stop - start, blocks * 32, dtype=d.dtype)
-    if _function("q8_dequantize", d.dtype)(q.data_ptr(), d.data_ptr(), vocab, blocks, start, stop,
+    if _function("q8_dequantize", d.dtype)(q.data_ptr(), d.data_ptr(), mins, vocab, blocks, start, stop,
                                            out.data_ptr()) != 0:
         raise RuntimeError("the Q8_0 kernel failed")
     return out
+
+
+def _checked_mins(m: torch.Tensor | None, d: torch.Tensor) -> int | None:
+    """A table's minimum (shaped and typed as its scales d) as a pointer for the C code, or None."""
+    if m is None:
+        return None
+    if m.shape != d.shape or m.dtype != d.dtype:
+        raise ValueError(f"the minimum must be {tuple(d.shape)} in {d.dtype}, got {m.dtype} {tuple(m.shape)}")
+    _check_cpu_contiguous(m=m)
+    return m.data_ptr()
 
 
 def int4_layout_matches() -> bool:

@@ -6,6 +6,11 @@ multiplies that read quantized weights and de-quantize them in registers.
 
 - **int8, per output channel** (`Int8Linear`, `torch._weight_int8pack_mm`): row n of W is
   `scale[n] * q[n]` with q in [-127, 127] and scale = max |W[n]| / 127 (symmetric: zero stays 0).
+- **int8, in groups of 32 with a zero** (`Int8GroupLinear`, this package's C kernel for the GGUF's Q8_0
+  table with a minimum added, `quantized_embedding.py`): each run of 32 input columns of a row has its own
+  scale and zero, `W = q * scale + zero` with q in [-128, 127] and scale = (max - min) / 255 (asymmetric:
+  both ends of the group land on the grid). A grid of 256 steps holds any 4-bit group's 16 levels
+  exactly, so on a model that was 4-bit (the bundled one) it rounds nothing but the head.
 - **int4, in groups** (`Int4Linear`, `torch._weight_int4pack_mm_for_cpu` on the CPU,
   `torch._weight_int4pack_mm` on CUDA): each run of `group_size` input columns of a row has its own
   scale and zero, and `W = (q - 8) * scale + zero` with q in [0, 15] (asymmetric: the group's minimum
@@ -31,6 +36,7 @@ import torch
 from torch import nn
 
 from ..native.operators import define_operator
+from .quantized_embedding import Q8Table
 from .quantized_kernels import int4_dequantize_t, kernels_unavailable_reason
 
 QUANTIZATIONS = ("int8", "int4", "gguf")
@@ -76,6 +82,29 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
     return ((groups - 8) * scale[..., None] + zero[..., None]).reshape(out_features, in_features)
 
 
+INT8_GROUP = 32  # the grouped int8 layers' group: the Q8_0 table's block
+
+
+def quantize_int8_groups(weight: torch.Tensor, group_size: int = INT8_GROUP
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, in) -> q (out, in) int8 in [-128, 127], scale and zero (out, in / group_size) float32:
+    weight ~ q * scale + zero within each group, scale = (max - min) / 255, zero = min + 128 * scale."""
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"in_features {in_features} is not a multiple of the group size {group_size}")
+    groups = weight.float().reshape(out_features, in_features // group_size, group_size)  # (out, G, group)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # (out, G)
+    scale = (high - low).clamp(min=1e-12) / 255
+    q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 255) - 128
+    return q.to(torch.int8).reshape(out_features, in_features), scale, low + 128 * scale
+
+
+def dequantize_int8_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    out_features, in_features = q.shape
+    groups = q.reshape(out_features, scale.shape[1], -1).float()  # (out, G, group)
+    return (groups * scale[..., None] + zero[..., None]).reshape(out_features, in_features)
+
+
 # ------------------------------------------------------------------------------------ the layers
 class Int8Linear(nn.Module):
     """y = x (scale * q)^T + b, with q int8 (out, in) and one scale per output channel."""
@@ -108,6 +137,40 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
+
+
+class Int8GroupLinear(nn.Module):
+    """y = x W^T + b, W = q * scale + zero per group of 32 input columns, q int8, held as a block-major table
+    (`Q8Table` with a minimum) that the C kernels read in one pass at a few rows and turn back a tile of rows
+    at a time at many."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype, part_sizes: tuple[int, ...] | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.table = Q8Table(q, scale, dtype, m=zero)
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        self.part_sizes = part_sizes
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, dtype: torch.dtype,
+                    part_sizes: tuple[int, ...] | None = None) -> "Int8GroupLinear":
+        q, scale, zero = quantize_int8_groups(weight)
+        return cls(q, scale, zero, bias, dtype, part_sizes)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the layer multiplies by, (out, in) float32."""
+        return self.table.rows(torch.arange(self.out_features, device=self.table.q.device)).float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.table.matmul_t(x.reshape(-1, self.in_features))  # (..., in) -> (M, out)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int8 in groups of {INT8_GROUP} with a zero")
 
 
 class Int4Linear(nn.Module):
@@ -188,17 +251,25 @@ def _pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------ a model's linears
-def quantize_linears_(model: nn.Module, method: str, *, group_size: int = 32,
+def quantize_linears_(model: nn.Module, method: str, *, group_size: int | None = None,
                       dtype: torch.dtype = torch.bfloat16) -> list[str]:
     """Replace, in place, the model's linear layers (the LM head included) by quantized ones computing in
     `dtype`; the groups its modules declare (`FUSED_PROJECTIONS`: q/k/v, gate/up) become one layer each.
-    Returns the names of the new layers. A head tied to the embedding gets its own quantized copy."""
+    `group_size`: int4's group (default 32); for int8, None is one scale per output channel and 32 groups of
+    32 columns with a zero. Returns the names of the new layers. A head tied to the embedding gets its own
+    quantized copy."""
     if method not in ("int8", "int4"):
         raise ValueError(f"quantization must be 'int8' or 'int4' here, got {method!r}")
-    if method == "int4" and group_size not in INT4_GROUP_SIZES:
-        raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if method == "int4":
+        group_size = 32 if group_size is None else group_size
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if method == "int8" and group_size not in (None, INT8_GROUP):
+        raise ValueError(f"int8 group_size must be None (per output channel) or {INT8_GROUP}, got {group_size}")
 
     def make(weight: torch.Tensor, bias: torch.Tensor | None, part_sizes: tuple[int, ...] | None) -> nn.Module:
+        if method == "int8" and group_size is not None:
+            return Int8GroupLinear.from_weight(weight, bias, dtype=dtype, part_sizes=part_sizes)
         if method == "int8":
             return Int8Linear.from_weight(weight, bias, dtype=dtype, part_sizes=part_sizes)
         return Int4Linear.from_weight(weight, bias, dtype=dtype, group_size=group_size, part_sizes=part_sizes)
@@ -227,7 +298,7 @@ def quantize_linears_(model: nn.Module, method: str, *, group_size: int = 32,
 def is_quantized(model: nn.Module) -> str | None:
     """The quantization of the model's linear layers ("int8", "int4"), or None."""
     for module in model.modules():
-        if isinstance(module, Int8Linear):
+        if isinstance(module, (Int8Linear, Int8GroupLinear)):
             return "int8"
         if isinstance(module, Int4Linear):
             return "int4"

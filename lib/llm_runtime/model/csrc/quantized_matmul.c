@@ -18,14 +18,16 @@
  *     64 b + j in its low nibble and row 64 b + j + 32 in its high one. The last N % 64 rows, if
  *     any, hold (N % 64) / 2 bytes per column, byte j rows 2 j and 2 j + 1 of that tail.
  *   int8, Q8_0 (the GGUF's embedding): W[v, k] = q * d[b, v], b = k / 32. `q` (B, V, 32) int8 is
- *     block-major (each block of 32 columns one contiguous (V, 32) matrix), d (B, V).
+ *     block-major (each block of 32 columns one contiguous (V, 32) matrix), d (B, V). With a minimum
+ *     m (B, V) (int8 in groups with a zero, quantized_linear.py): W[v, k] = q * d[b, v] + m[b, v].
  *
  * Exported, each in float32 and bfloat16 (`_f32`, `_bf16`: the activations', outputs' and scales'
  * type; arithmetic in float32):
  *   int4_dequantize_t  out (K, N) = W^T               the whole weight, transposed, so that each
  *                                                     column k of the packing is one contiguous write
- *   q8_dequantize      out (v1 - v0, K) = W[v0:v1]    a tile of rows
+ *   q8_dequantize      out (v1 - v0, K) = W[v0:v1]    a tile of rows (mins may be NULL)
  *   q8_matmul          out (M, V) = x (M, K) W^T      the few-row product, up to ROWS rows at once
+ *                                                     (mins may be NULL)
  * Each returns 0, or 1 for shapes it does not handle.
  */
 #include <stdint.h>
@@ -44,9 +46,10 @@ static inline void decode32_i8(const int8_t *q, __m512 *low, __m512 *high) {
 }
 #endif
 
-/* One output row v of the Q8_0 product for m <= ROWS rows of x: out_v[r] = sum_k x[r, k] W[v, k]. */
-static inline void q8_row(const float *x, int m, const int8_t *q, const float *d_v, int64_t blocks, int64_t V,
-                          float *out_v) {
+/* One output row v of the Q8_0 product for m <= ROWS rows of x: out_v[r] = sum_k x[r, k] W[v, k], with
+ * each block's minimum m_v[b] added to its weights (all zero for Q8_0 itself). */
+static inline void q8_row(const float *x, int m, const int8_t *q, const float *d_v, const float *m_v,
+                          int64_t blocks, int64_t V, float *out_v) {
     const int64_t K = blocks * 32;
 #if defined(__AVX512F__)
     __m512 acc[ROWS];
@@ -54,9 +57,9 @@ static inline void q8_row(const float *x, int m, const int8_t *q, const float *d
     for (int64_t b = 0; b < blocks; b++) {
         __m512 low, high;
         decode32_i8(q + b * V * 32, &low, &high);
-        const __m512 s = _mm512_set1_ps(d_v[b]);
-        low = _mm512_mul_ps(low, s);
-        high = _mm512_mul_ps(high, s);
+        const __m512 s = _mm512_set1_ps(d_v[b]), z = _mm512_set1_ps(m_v[b]);
+        low = _mm512_fmadd_ps(low, s, z);
+        high = _mm512_fmadd_ps(high, s, z);
         for (int r = 0; r < m; r++) {
             acc[r] = _mm512_fmadd_ps(low, _mm512_loadu_ps(x + r * K + b * 32), acc[r]);
             acc[r] = _mm512_fmadd_ps(high, _mm512_loadu_ps(x + r * K + b * 32 + 16), acc[r]);
@@ -71,8 +74,8 @@ static inline void q8_row(const float *x, int m, const int8_t *q, const float *d
             float part = 0.0f;
             const float *xr = x + r * K + b * 32;
             #pragma omp simd reduction(+ : part)
-            for (int j = 0; j < 32; j++) part += (float)qb[j] * xr[j];
-            total[r] += d_v[b] * part;
+            for (int j = 0; j < 32; j++) part += ((float)qb[j] * d_v[b] + m_v[b]) * xr[j];
+            total[r] += part;
         }
     }
     for (int r = 0; r < m; r++) out_v[r] = total[r];
@@ -115,7 +118,7 @@ int int4_dequantize_t_##SUFFIX(const uint8_t *packed, const T *scales_and_zeros,
 }                                                                                                      \
                                                                                                        \
 int q8_matmul_##SUFFIX(const T *x, int64_t x_stride, int64_t M, const int8_t *q, const T *d,           \
-                       int64_t V, int64_t blocks, T *out) {                                              \
+                       const T *mins, int64_t V, int64_t blocks, T *out) {                               \
     if (M <= 0 || blocks <= 0) return 1;                                                               \
     const int64_t K = blocks * 32;                                                                     \
     float *xf = malloc(sizeof(float) * (size_t)(M * K));                                               \
@@ -126,9 +129,12 @@ int q8_matmul_##SUFFIX(const T *x, int64_t x_stride, int64_t M, const int8_t *q,
         const int m = (int)(M - r0 < ROWS ? M - r0 : ROWS);                                            \
         _Pragma("omp parallel for schedule(static)")                                                   \
         for (int64_t v = 0; v < V; v++) {                                                              \
-            float d_v[blocks], sums[ROWS];                                                             \
-            for (int64_t b = 0; b < blocks; b++) d_v[b] = LOAD(d[b * V + v]);                          \
-            q8_row(xf + r0 * K, m, q + v * 32, d_v, blocks, V, sums);                                  \
+            float d_v[blocks], m_v[blocks], sums[ROWS];                                                \
+            for (int64_t b = 0; b < blocks; b++) {                                                     \
+                d_v[b] = LOAD(d[b * V + v]);                                                           \
+                m_v[b] = mins == NULL ? 0.0f : LOAD(mins[b * V + v]);                                  \
+            }                                                                                          \
+            q8_row(xf + r0 * K, m, q + v * 32, d_v, m_v, blocks, V, sums);                             \
             for (int r = 0; r < m; r++) out[(r0 + r) * V + v] = STORE(sums[r]);                        \
         }                                                                                              \
     }                                                                                                  \
@@ -136,16 +142,16 @@ int q8_matmul_##SUFFIX(const T *x, int64_t x_stride, int64_t M, const int8_t *q,
     return 0;                                                                                          \
 }                                                                                                      \
                                                                                                        \
-int q8_dequantize_##SUFFIX(const int8_t *q, const T *d, int64_t V, int64_t blocks, int64_t v0, int64_t v1, \
-                           T *out) {                                                                     \
+int q8_dequantize_##SUFFIX(const int8_t *q, const T *d, const T *mins, int64_t V, int64_t blocks, int64_t v0, \
+                           int64_t v1, T *out) {                                                         \
     if (blocks <= 0 || v0 < 0 || v1 < v0 || v1 > V) return 1;                                           \
     const int64_t K = blocks * 32;                                                                     \
     _Pragma("omp parallel for schedule(static)")                                                       \
     for (int64_t v = v0; v < v1; v++)                                                                  \
         for (int64_t b = 0; b < blocks; b++) {                                                         \
-            const float s = LOAD(d[b * V + v]);                                                        \
+            const float s = LOAD(d[b * V + v]), z = mins == NULL ? 0.0f : LOAD(mins[b * V + v]);       \
             const int8_t *qb = q + (b * V + v) * 32;                                                   \
-            for (int j = 0; j < 32; j++) out[(v - v0) * K + b * 32 + j] = STORE((float)qb[j] * s);     \
+            for (int j = 0; j < 32; j++) out[(v - v0) * K + b * 32 + j] = STORE((float)qb[j] * s + z); \
         }                                                                                              \
     return 0;                                                                                          \
 }
