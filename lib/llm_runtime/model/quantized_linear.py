@@ -8,9 +8,10 @@ multiplies that read quantized weights and de-quantize them in registers.
   `scale[n] * q[n]` with q in [-127, 127] and scale = max |W[n]| / 127 (symmetric: zero stays 0).
 - **int8, in groups of 32 with a zero** (`Int8GroupLinear`, this package's C kernel for the GGUF's Q8_0
   table with a minimum added, `quantized_embedding.py`): each run of 32 input columns of a row has its own
-  scale and zero, `W = q * scale + zero` with q in [-128, 127] and scale = (max - min) / 255 (asymmetric:
-  both ends of the group land on the grid). A grid of 256 steps holds any 4-bit group's 16 levels
-  exactly, so on a model that was 4-bit (the bundled one) it rounds nothing but the head.
+  scale and zero, `W = q * scale + zero`, the group's range in 255 steps (scale = (max - min) / 255: both
+  ends land on the grid) or, where that rounds less, symmetric about zero (scale = max |w| / 127). The
+  first holds any 4-bit group's 16 levels exactly, the second any Q8_0 block: on the bundled model, whose
+  layers were Q4_1 and its head Q8_0, nothing is rounded again.
 - **int4, in groups** (`Int4Linear`, `torch._weight_int4pack_mm_for_cpu` on the CPU,
   `torch._weight_int4pack_mm` on CUDA): each run of `group_size` input columns of a row has its own
   scale and zero, and `W = (q - 8) * scale + zero` with q in [0, 15] (asymmetric: the group's minimum
@@ -87,16 +88,31 @@ INT8_GROUP = 32  # the grouped int8 layers' group: the Q8_0 table's block
 
 def quantize_int8_groups(weight: torch.Tensor, group_size: int = INT8_GROUP
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, in) -> q (out, in) int8 in [-128, 127], scale and zero (out, in / group_size) float32:
-    weight ~ q * scale + zero within each group, scale = (max - min) / 255, zero = min + 128 * scale."""
+    """(out, in) -> q (out, in) int8, scale and zero (out, in / group_size) float32: weight ~ q * scale + zero
+    within each group. Each group takes the better (smaller squared error) of two grids: its range in 255
+    steps (scale = (max - min) / 255, zero = min + 128 * scale, q in [-128, 127]), or symmetric about zero
+    (scale = max |w| / 127, zero = 0, q in [-127, 127]). The first holds any 4-bit group's 16 levels exactly
+    (a Q4_1 block), the second any Q8_0 block: weights that were already quantized are not rounded again."""
     out_features, in_features = weight.shape
     if in_features % group_size:
         raise ValueError(f"in_features {in_features} is not a multiple of the group size {group_size}")
     groups = weight.float().reshape(out_features, in_features // group_size, group_size)  # (out, G, group)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # (out, G)
-    scale = (high - low).clamp(min=1e-12) / 255
-    q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 255) - 128
-    return q.to(torch.int8).reshape(out_features, in_features), scale, low + 128 * scale
+    ranged = (high - low).clamp(min=1e-12) / 255
+    ranged_q = ((groups - low[..., None]) / ranged[..., None]).round().clamp(0, 255) - 128
+    ranged_zero = low + 128 * ranged
+    symmetric = groups.abs().amax(dim=-1).clamp(min=1e-12) / 127
+    symmetric_q = (groups / symmetric[..., None]).round().clamp(-127, 127)
+
+    def squared_error(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        return ((q * scale[..., None] + zero[..., None] - groups) ** 2).sum(-1)  # (out, G)
+
+    use_symmetric = squared_error(symmetric_q, symmetric, torch.zeros_like(symmetric)) < \
+        squared_error(ranged_q, ranged, ranged_zero)
+    q = torch.where(use_symmetric[..., None], symmetric_q, ranged_q)
+    scale = torch.where(use_symmetric, symmetric, ranged)
+    zero = torch.where(use_symmetric, torch.zeros_like(ranged_zero), ranged_zero)
+    return q.to(torch.int8).reshape(out_features, in_features), scale, zero
 
 
 def dequantize_int8_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
