@@ -146,13 +146,16 @@ def paged_decode_quantized(
                              f"got {tuple(scale.scale.shape)} and {tuple(scale.zero.shape)}")
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly")
-    group = num_heads // num_kv_heads
-    per_head = [t.repeat_interleave(group, dim=0) for t in (key_scale.scale, value_scale.scale, value_scale.zero)]
-    key_s, value_s, value_z = (t.to(query.device) for t in per_head)  # (H, d) each
-    scaled_query = (query.float() * key_s).to(query.dtype)  # (N, H, d), contiguous
+    # Query heads h * group .. h * group + group - 1 share KV head h: (N, H, d) seen as (N, KV, group, d), the
+    # (KV, d) scales broadcast over each group.
+    per_group = (-1, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    key_s = key_scale.scale[:, None]  # (KV, 1, d)
+    scaled_query = (query.float().reshape(per_group) * key_s).reshape(query.shape).to(query.dtype)  # contiguous
     _paged_decode(symbol, scaled_query, key_pool, value_pool, block_tables, seq_lens, rows, out, indices_checked)
     if rows.numel():  # the decode rows the kernel wrote, from stored units to values
-        out[rows] = (out[rows].float() * value_s + value_z).to(out.dtype)
+        stored = out[rows].float().reshape(per_group)
+        out[rows] = (stored * value_scale.scale[:, None] + value_scale.zero[:, None]).reshape(-1, *out.shape[1:]) \
+            .to(out.dtype)
 
 
 def _paged_decode(symbol: str, query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,

@@ -20,11 +20,16 @@ the context. A longer context costs some precision: lesson 13 measures it.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .causal import causal_attention
 from .kv_quant import ChannelScale, KVScales
+
+if TYPE_CHECKING:  # the model package imports attention: only the type checker needs these here
+    from ..model import CausalLM
+    from ..model.tokenizer import Tokenizer
 
 CALIBRATION_TEXT = Path(__file__).with_name("data") / "kv_calibration.txt"
 WINDOW = 256  # tokens the model sees at once
@@ -63,7 +68,7 @@ class KVRangeObserver:
         return KVScales(keys, values)  # type: ignore[arg-type]
 
 
-def calibration_token_ids(tokenizer, vocab_size: int) -> list[int]:
+def calibration_token_ids(tokenizer: Tokenizer | None, vocab_size: int) -> list[int]:
     """The calibration text in the model's tokens; without a tokenizer, token ids from a seeded generator."""
     if tokenizer is not None:
         return list(tokenizer.encode(CALIBRATION_TEXT.read_text()))
@@ -78,7 +83,7 @@ def window_starts(num_windows: int, max_position: int, window: int = WINDOW) -> 
 
 
 @torch.inference_mode()
-def calibrate_kv_scales(model, token_ids: list[int], *, max_position: int | None = None,
+def calibrate_kv_scales(model: CausalLM, token_ids: list[int], *, max_position: int | None = None,
                         headroom: float = HEADROOM, window: int = WINDOW) -> KVScales:
     """The scales of an int8 pool for `model`: its keys' and values' ranges over `token_ids`, run in windows
     of `window` tokens placed across positions 0 .. `max_position` (default: the model's positions)."""

@@ -68,9 +68,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     """(out, in) -> q (out, in) int32 in [0, 15], scale and zero (out, in / group_size) float32:
     weight ~ (q - 8) * scale + zero within each group of `group_size` input columns."""
     out_features, in_features = weight.shape
-    if in_features % group_size:
-        raise ValueError(f"in_features {in_features} is not a multiple of the group size {group_size}")
-    groups = weight.float().reshape(out_features, in_features // group_size, group_size)  # (out, G, group)
+    groups = _groups(weight, group_size)  # (out, G, group)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # (out, G)
     scale = (high - low).clamp(min=1e-12) / 15
     q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
@@ -78,9 +76,22 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
 
 
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    out_features, in_features = q.shape
-    groups = q.reshape(out_features, scale.shape[1], -1).float()  # (out, G, group)
-    return ((groups - 8) * scale[..., None] + zero[..., None]).reshape(out_features, in_features)
+    return _dequantized_groups(q.float() - 8, scale, zero)
+
+
+def _groups(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(out, in) -> (out, in / group_size, group_size) float32: each row's runs of `group_size` input columns."""
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"in_features {in_features} is not a multiple of the group size {group_size}")
+    return weight.float().reshape(out_features, in_features // group_size, group_size)
+
+
+def _dequantized_groups(levels: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """levels (out, in) float, scale and zero (out, G) -> levels * scale + zero per group: (out, in) float32."""
+    out_features, in_features = levels.shape
+    groups = levels.reshape(out_features, scale.shape[1], -1)  # (out, G, group)
+    return (groups * scale[..., None] + zero[..., None]).reshape(out_features, in_features)
 
 
 INT8_GROUP = 32  # the grouped int8 layers' group: the Q8_0 table's block
@@ -94,9 +105,7 @@ def quantize_int8_groups(weight: torch.Tensor, group_size: int = INT8_GROUP
     (scale = max |w| / 127, zero = 0, q in [-127, 127]). The first holds any 4-bit group's 16 levels exactly
     (a Q4_1 block), the second any Q8_0 block: weights that were already quantized are not rounded again."""
     out_features, in_features = weight.shape
-    if in_features % group_size:
-        raise ValueError(f"in_features {in_features} is not a multiple of the group size {group_size}")
-    groups = weight.float().reshape(out_features, in_features // group_size, group_size)  # (out, G, group)
+    groups = _groups(weight, group_size)  # (out, G, group)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # (out, G)
     ranged = (high - low).clamp(min=1e-12) / 255
     ranged_q = ((groups - low[..., None]) / ranged[..., None]).round().clamp(0, 255) - 128
@@ -116,9 +125,7 @@ def quantize_int8_groups(weight: torch.Tensor, group_size: int = INT8_GROUP
 
 
 def dequantize_int8_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    out_features, in_features = q.shape
-    groups = q.reshape(out_features, scale.shape[1], -1).float()  # (out, G, group)
-    return (groups * scale[..., None] + zero[..., None]).reshape(out_features, in_features)
+    return _dequantized_groups(q.float(), scale, zero)
 
 
 # ------------------------------------------------------------------------------------ the layers
