@@ -66,26 +66,34 @@ def test_without_the_kernels_the_layers_keep_pytorchs(monkeypatch) -> None:
         assert (a.float() - b.float()).abs().max() < 2e-2 * float(b.float().abs().max())
 
 
-def _q8_table(vocab: int, hidden: int, dtype: torch.dtype, seed: int = 0):
+def _q8_table(vocab: int, hidden: int, dtype: torch.dtype, seed: int = 0, with_minimum: bool = False):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(-127, 128, (vocab, hidden), generator=gen, dtype=torch.int8)
     d = torch.rand(vocab, hidden // 32, generator=gen) / 100
-    table = Q8Table(q, d, dtype)
-    weight = (q.view(vocab, -1, 32).float() * table.d.float().t()[..., None]).view(vocab, hidden)  # d as stored
-    return table, weight
+    m = torch.rand(vocab, hidden // 32, generator=gen) - 0.5 if with_minimum else None
+    table = Q8Table(q, d, dtype, m)
+    weight = q.view(vocab, -1, 32).float() * table.d.float().t()[..., None]  # (vocab, blocks, 32), d as stored
+    if with_minimum:
+        weight = weight + table.m.float().t()[..., None]
+    return table, weight.view(vocab, hidden)
 
 
+@pytest.mark.parametrize("with_minimum", [False, True], ids=["q8_0", "with-minimum"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_q8_0_product_and_tiles_equal_the_float_weights(dtype: torch.dtype) -> None:
-    table, weight = _q8_table(1000, 96, dtype)
+def test_the_q8_0_product_and_tiles_equal_the_float_weights(dtype: torch.dtype, with_minimum: bool) -> None:
+    table, weight = _q8_table(1000, 96, dtype, with_minimum=with_minimum)  # 62 tiles of 16 rows, then 8 rows
     gen = torch.Generator().manual_seed(3)
     for num_rows in (1, 3, 4, 6):  # whole and partial groups of the kernel's 4 rows
         x = torch.randn(num_rows, 96, generator=gen).to(dtype)
         expected = x.float() @ weight.t()
-        out = q8_matmul(x, table.q, table.d)
+        out = q8_matmul(x, table.q, table.d, table.m)
         tolerance = 1e-5 * float(expected.abs().max()) if dtype == torch.float32 else 1 / 128 * expected.abs() + 1e-3
         assert ((out.float() - expected).abs() <= tolerance).all(), num_rows  # one rounding to bfloat16 at most
-    assert torch.equal(q8_dequantize(table.q, table.d, 10, 700), weight[10:700].to(dtype))
+    rows = q8_dequantize(table.q, table.d, 10, 700, table.m)
+    if with_minimum:  # q * d + m in one fused multiply-add: within a rounding of the two-step reference
+        torch.testing.assert_close(rows, weight[10:700].to(dtype))
+    else:
+        assert torch.equal(rows, weight[10:700].to(dtype))
     assert q8_dequantize(table.q, table.d, 5, 5).shape == (0, 96)
 
 

@@ -37,6 +37,7 @@ from .blockwise import BlockwiseBackend, PrefillChunk
 from .cpu_kernels import KERNEL_DTYPES, check_indices, kernel_unavailable_reason, paged_decode, paged_decode_quantized
 from .kv_quant import QuantizedPools, dequantize_blocks
 from .metadata import AttentionMetadata
+from ..native.cpp_operators import cpp_operator
 
 
 @dataclass(frozen=True)
@@ -123,8 +124,8 @@ class CpuKernelBackend(BlockwiseBackend):
     def attend_compiled(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,
                         value_pool: torch.Tensor, slot_mapping: torch.Tensor, *plan: torch.Tensor) -> torch.Tensor:
         block_tables, seq_lens, rows = plan
-        return cpu_kernels.cpu_paged_attention(query, key, value, key_pool, value_pool, slot_mapping, block_tables,
-                                               seq_lens, rows)
+        attention = cpp_operator("cpu_paged_attention") or cpu_kernels.cpu_paged_attention  # C++ where loaded
+        return attention(query, key, value, key_pool, value_pool, slot_mapping, block_tables, seq_lens, rows)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,
                 value_pool: torch.Tensor, plan: CpuPlan) -> torch.Tensor:

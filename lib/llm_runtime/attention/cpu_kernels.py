@@ -265,9 +265,10 @@ cpu_paged_attention = define_operator("cpu_paged_attention", _cpu_paged_attentio
 
 
 @torch.library.register_fake("llm_runtime::cpu_paged_attention")
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
-      slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-      rows: torch.Tensor) -> torch.Tensor:
+def cpu_paged_attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,
+                             value_pool: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                             seq_lens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The output's shape and dtype, for tracing (also the C++ twin's, native/cpp_operators.py)."""
     return torch.empty(query.shape, dtype=query.dtype, device=query.device)
 
 

@@ -39,6 +39,7 @@ from ..attention.backend import AttentionBackend, PagedAttentionStep
 from ..attention.kv_cache import PagedKVCache
 from ..attention.metadata import AttentionMetadata
 from ..model import CausalLM
+from ..native.cpp_operators import load_cpp_operators
 from .input_batch import ModelInput
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ class CompiledForward:
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, backend: AttentionBackend) -> None:
         self.model, self.kv_cache, self.backend = model, kv_cache, backend
         self.num_runs = 0  # steps that ran compiled
+        # Before the first trace: the layers then call the C++ operators (native/cpp_operators.py), or say why not.
+        self.cpp_operators_unavailable_reason = load_cpp_operators()
         for pool in (*kv_cache.keys, *kv_cache.values):  # the pool's size too: engines of any pool share a graph
             _mark_unbacked(pool, (0,))  # (inductor's cache on disk serves all of them)
         # Dynamic: the sizes marked in `_call`. Without the size asserts: the graph checks no output's strides, as

@@ -36,9 +36,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..native.cpp_operators import cpp_operator
 from ..native.operators import define_operator
 from .quantized_embedding import Q8Table
-from .quantized_kernels import int4_dequantize_t, kernels_unavailable_reason
+from .quantized_kernels import int4_dequantize_t, int4_matvec, kernels_unavailable_reason
 
 QUANTIZATIONS = ("int8", "int4", "gguf")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -224,7 +225,9 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # (..., in) -> (M, in)
-        product = int4_matmul if torch.compiler.is_compiling() else int4_product  # traced: one operator
+        product = int4_product
+        if torch.compiler.is_compiling():  # traced: one operator, the C++ one where it is loaded
+            product = (cpp_operator("int4_matmul") if x.device.type == "cpu" else None) or int4_matmul
         out = product(rows, self.packed, self.group_size, self.scales_and_zeros.to(x.dtype))
         out = out[:, : self.out_features]  # drop the padding rows' outputs
         if self.bias is not None:
@@ -244,6 +247,10 @@ def int4_product(rows: torch.Tensor, packed: torch.Tensor, group_size: int,
         return rows @ int4_dequantize_t(packed, scales_and_zeros, rows.shape[1], group_size)
     if packed.device.type == "cuda":
         return torch.ops.aten._weight_int4pack_mm(rows, packed, group_size, scales_and_zeros)
+    if rows.shape[0] == 1 and kernels_unavailable_reason() is None:  # one row: the C kernel where it applies
+        out = int4_matvec(rows, packed, scales_and_zeros, group_size)
+        if out is not None:
+            return out
     return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_and_zeros)
 
 
@@ -253,7 +260,9 @@ int4_matmul = define_operator("int4_matmul", int4_product, dispatch_keys=("CPU",
 
 
 @torch.library.register_fake("llm_runtime::int4_matmul")
-def _(rows: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+def int4_matmul_fake(rows: torch.Tensor, packed: torch.Tensor, group_size: int,
+                     scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """The output's shape and dtype, for tracing (also the C++ twin's, native/cpp_operators.py)."""
     return rows.new_empty(rows.shape[0], scales_and_zeros.shape[1])  # (M, N padded)
 
 

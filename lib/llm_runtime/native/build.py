@@ -10,11 +10,16 @@ loaded, so the kernels' threads are PyTorch's.
 Each caller gives its flag sets, tried in order (the fastest build the compiler accepts first); when no
 compiler is found or every flag set fails, `build_library` raises `KernelUnavailable` with the
 compiler's message, and the caller falls back to PyTorch operators.
+
+`build_torch_library` builds the one C++ file that does include PyTorch's headers (csrc/operators.cpp:
+operators registered with the dispatcher, loaded with `torch.ops.load_library`), linked with C kernels
+compiled beside it: about 10 s the first time, cached the same way.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 import hashlib
 import os
 import platform
@@ -50,24 +55,43 @@ def _cache_key(compiler: str, flags: tuple[str, ...], sources: list[Path]) -> st
     return digest.hexdigest()[:16]
 
 
-def _compile(compiler: str, flags: tuple[str, ...], source_dir: Path, compiled: tuple[str, ...],
-             target: Path) -> str | None:
-    """Build the library at `target` (atomically); None on success, else the compiler's message."""
+def _run(command: list[str]) -> str | None:
+    """None when `command` (a compiler call) succeeds, else its message."""
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return str(error)
+    if result.returncode != 0:
+        return result.stderr.strip()[-500:] or f"{command[0]} exited with {result.returncode}"
+    return None
+
+
+def _build(target: Path, commands: Callable[[str, str], list[list[str]]]) -> str | None:
+    """Build the library at `target` (atomically) by `commands(scratch_dir, output)`, run in order; None on
+    success, else the failing compiler's message."""
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
-    command = [compiler, *flags, "-fPIC", "-shared", "-I", str(source_dir), "-I", str(INCLUDE_DIR),
-               *(str(source_dir / name) for name in compiled), "-o", scratch]
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        Path(scratch).unlink(missing_ok=True)
-        return str(error)
-    if result.returncode != 0:
-        Path(scratch).unlink(missing_ok=True)
-        return result.stderr.strip()[-500:] or f"{compiler} exited with {result.returncode}"
+    with tempfile.TemporaryDirectory(dir=target.parent) as objects:
+        for command in commands(objects, scratch):
+            error = _run(command)
+            if error is not None:
+                Path(scratch).unlink(missing_ok=True)
+                return error
     os.replace(scratch, target)  # another process may have built the same file: either copy is right
     return None
+
+
+def _compile(compiler: str, flags: tuple[str, ...], source_dir: Path, compiled: tuple[str, ...],
+             target: Path) -> str | None:
+    """Build the library at `target`; None on success, else the compiler's message."""
+    return _build(target, lambda _, output: [[compiler, *flags, "-fPIC", "-shared", "-I", str(source_dir), "-I",
+                                             str(INCLUDE_DIR), *(str(source_dir / name) for name in compiled),
+                                             "-o", output]])
+
+
+def _compiler(variable: str, *names: str) -> str | None:
+    return os.environ.get(variable) or next(filter(None, map(shutil.which, names)), None)
 
 
 def build_library(name: str, source_dir: Path, sources: tuple[str, ...], compiled: tuple[str, ...],
@@ -75,7 +99,7 @@ def build_library(name: str, source_dir: Path, sources: tuple[str, ...], compile
     """The library `name` built from `compiled` (C files in `source_dir`; `sources` are every file the
     build reads there, hashed into the cache key with the shared headers), from the disk cache when built
     before. Raises KernelUnavailable when no flag set builds it."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    compiler = _compiler("CC", "cc", "gcc", "clang")
     if compiler is None:
         raise KernelUnavailable("no C compiler found (set CC, or install gcc or clang)")
     hashed = [source_dir / file for file in sources] + sorted(INCLUDE_DIR.glob("*.h"))
@@ -88,3 +112,36 @@ def build_library(name: str, source_dir: Path, sources: tuple[str, ...], compile
             return ctypes.CDLL(str(target))
         errors.append(f"{compiler} {' '.join(flags)}: {error}")
     raise KernelUnavailable(f"the C kernel {name} did not compile:\n" + "\n".join(errors))
+
+
+def build_torch_library(name: str, source: Path, c_sources: tuple[Path, ...], defines: dict[str, int],
+                        flag_sets: tuple[tuple[str, ...], ...] = FLAG_SETS) -> Path:
+    """The path of the library `name` (for `torch.ops.load_library`): the C++ file `source`, which includes
+    PyTorch's headers and registers operators, linked with the C files `c_sources` (each compiled by the C
+    compiler with its own folder and INCLUDE_DIR on the include path), with `defines` as -D flags; from the
+    disk cache when built before. Raises KernelUnavailable when no flag set builds it."""
+    c_compiler, cxx_compiler = _compiler("CC", "cc", "gcc", "clang"), _compiler("CXX", "c++", "g++", "clang++")
+    if c_compiler is None or cxx_compiler is None:
+        raise KernelUnavailable("no C and C++ compilers found (set CC and CXX, or install gcc and g++)")
+    torch_dir = Path(torch.__file__).parent
+    definitions = [f"-D{key}={value}" for key, value in sorted(defines.items())]
+    # PyTorch's build chose the C++ standard library's ABI; a library passing it std::strings must match.
+    definitions.append(f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
+    headers = sorted({header for path in c_sources for header in path.parent.glob("*.h")} | set(INCLUDE_DIR.glob("*.h")))
+    folder = default_cache_dir() / "kernels"
+    errors = []
+    for flags in flag_sets:
+        def commands(objects: str, output: str) -> list[list[str]]:
+            compiled = [[c_compiler, *flags, "-fPIC", "-c", "-I", str(path.parent), "-I", str(INCLUDE_DIR), str(path),
+                         "-o", str(Path(objects) / f"{path.stem}.o")] for path in c_sources]
+            link = [cxx_compiler, *flags, "-std=c++20", "-fPIC", "-shared", *definitions, "-I",
+                    str(torch_dir / "include"), str(source), *(command[-1] for command in compiled),
+                    "-L", str(torch_dir / "lib"), "-ltorch_cpu", "-lc10", "-o", output]
+            return [*compiled, link]
+        key = _cache_key(f"{c_compiler} {cxx_compiler}", (*flags, *definitions), [source, *c_sources, *headers])
+        target = folder / f"{name}-{key}.so"
+        error = None if target.is_file() else _build(target, commands)
+        if error is None:
+            return target
+        errors.append(f"{cxx_compiler} {' '.join(flags)}: {error}")
+    raise KernelUnavailable(f"the C++ operators {name} did not compile:\n" + "\n".join(errors))

@@ -1,0 +1,129 @@
+"""The C++ operators (native/cpp_operators.py) are the Python operators they stand in for: the same schemas,
+the same outputs and pool writes, the same errors; the one-row int4 kernel agrees with PyTorch's; a layer
+traced for the compiled forward pass calls the C++ operator when it is loaded and the Python one when not;
+and a missing C++ compiler is reported, not raised past the caller."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llm_runtime.attention import cpu_kernels
+from llm_runtime.model import quantized_kernels
+from llm_runtime.model.quantized_linear import Int4Linear, int4_product
+from llm_runtime.native import KernelUnavailable, build_torch_library, cpp_operators
+
+pytestmark = pytest.mark.skipif(cpp_operators.load_cpp_operators() is not None,
+                                reason="the C++ operators do not build here")
+
+
+def _native(name: str) -> torch._ops.OpOverload:
+    operator = cpp_operators.cpp_operator(name)
+    assert operator is not None
+    return operator
+
+
+def test_the_cpp_operators_have_the_python_operators_schemas() -> None:
+    for name in cpp_operators.NAMES:
+        python = getattr(torch.ops.llm_runtime, name).default._schema
+        native = _native(name)._schema
+        assert str(native).replace(cpp_operators.NAMESPACE, "llm_runtime", 1) == str(python)
+
+
+def _int4_layer(rows: int, columns: int, dtype: torch.dtype) -> Int4Linear:
+    return Int4Linear.from_weight(torch.randn(rows, columns, generator=torch.Generator().manual_seed(rows)), None,
+                                  dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("num_rows", [1, 3, 40])  # the one-row kernel, PyTorch's, the dense product
+@pytest.mark.parametrize("out_features", [192, 80])  # 80: not whole blocks of 64 rows, so PyTorch's kernel at one row
+def test_the_cpp_int4_product_is_the_python_one(dtype: torch.dtype, num_rows: int, out_features: int) -> None:
+    layer = _int4_layer(out_features, 128, dtype)
+    rows = torch.randn(num_rows, 128).to(dtype)
+    arguments = (rows, layer.packed, layer.group_size, layer.scales_and_zeros)
+    assert torch.equal(_native("int4_matmul")(*arguments), int4_product(*arguments))
+
+
+def test_the_one_row_int4_kernel_agrees_with_pytorchs() -> None:
+    layer = _int4_layer(3072, 576, torch.bfloat16)
+    rows = torch.randn(1, 576).to(torch.bfloat16)
+    ours = quantized_kernels.int4_matvec(rows, layer.packed, layer.scales_and_zeros, layer.group_size)
+    if ours is None:
+        pytest.skip("this CPU has no AVX512-BF16")
+    theirs = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, layer.packed, layer.group_size, layer.scales_and_zeros)
+    weight_t = quantized_kernels.int4_dequantize_t(layer.packed, layer.scales_and_zeros.float(), 576, layer.group_size)
+    exact = rows.double() @ weight_t.double()  # (1, N)
+    # Both within their bfloat16 rounding of the exact product, so at most one step of it apart.
+    for out in (ours, theirs):
+        assert ((out.double() - exact).abs() <= exact.abs() / 256 + 1e-3).all()
+    assert ((ours.double() - theirs.double()).abs() <= exact.abs() / 128 + 2e-3).all()
+    assert (ours != theirs).float().mean() < 0.02
+    # Shapes it does not take: the caller keeps PyTorch's kernel.
+    assert quantized_kernels.int4_matvec(torch.cat([rows, rows]), layer.packed, layer.scales_and_zeros, 32) is None
+    assert quantized_kernels.int4_matvec(rows.float(), layer.packed, layer.scales_and_zeros, 32) is None
+
+
+def _attention_inputs(dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks, block_size, kv, heads, dim = 6, 4, 2, 6, 64
+    pools = [torch.randn(num_blocks, block_size, kv, dim, generator=gen).to(dtype) for _ in range(2)]
+    query = torch.randn(3, heads, dim, generator=gen).to(dtype)
+    key, value = (torch.randn(3, kv, dim, generator=gen).to(dtype) for _ in range(2))
+    slots = torch.tensor([5, 9, -1])  # two rows write, the third (padding) writes nowhere
+    tables = torch.tensor([[3, 1, 0], [2, 5, 4]], dtype=torch.int32)
+    lengths = torch.tensor([6, 10], dtype=torch.int32)
+    rows = torch.tensor([0, 1])
+    return query, key, value, *pools, slots, tables, lengths, rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_cpp_attention_is_the_python_one(dtype: torch.dtype) -> None:
+    python_inputs, native_inputs = _attention_inputs(dtype), _attention_inputs(dtype)
+    expected = cpu_kernels.cpu_paged_attention(*python_inputs)
+    out = _native("cpu_paged_attention")(*native_inputs)
+    assert torch.equal(out[:2], expected[:2])  # row 2 is not attended: its output is left as allocated
+    for python_pool, native_pool in zip(python_inputs[3:5], native_inputs[3:5]):
+        assert torch.equal(native_pool, python_pool)  # the same slots written
+
+
+def test_the_cpp_attention_refuses_what_the_python_one_refuses() -> None:
+    attention = _native("cpu_paged_attention")
+    inputs = list(_attention_inputs(torch.float32))
+    with pytest.raises(TypeError, match="one dtype"):
+        attention(inputs[0].to(torch.bfloat16), *inputs[1:])
+    untouched = [pool.clone() for pool in inputs[3:5]]
+    inputs[5] = torch.tensor([5, 24, -1])  # slot 24 is past the pool's 6 x 4
+    with pytest.raises(ValueError, match="outside"):
+        attention(*inputs)
+    assert all(torch.equal(pool, before) for pool, before in zip(inputs[3:5], untouched))  # nothing written
+    inputs[5] = torch.tensor([5, 9])  # one slot short of the rows
+    with pytest.raises(ValueError, match="shapes disagree"):
+        attention(*inputs)
+
+
+def _traced_targets(layer: torch.nn.Module, x: torch.Tensor) -> set[str]:
+    targets: set[str] = set()
+
+    def backend(graph: torch.fx.GraphModule, example_inputs):
+        targets.update(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
+        return graph.forward
+
+    torch._dynamo.reset()
+    torch.compile(layer, backend=backend, fullgraph=True)(x)
+    torch._dynamo.reset()
+    return targets
+
+
+def test_a_traced_layer_calls_the_cpp_operator_and_the_python_one_without_it(monkeypatch) -> None:
+    layer, x = _int4_layer(64, 128, torch.bfloat16), torch.randn(1, 128).to(torch.bfloat16)
+    assert "llm_runtime_native.int4_matmul.default" in _traced_targets(layer, x)
+    monkeypatch.setattr(cpp_operators, "_LOADED", {})  # as in a process where the library did not build
+    assert "llm_runtime.int4_matmul.default" in _traced_targets(layer, x)
+
+
+def test_without_a_cpp_compiler_the_build_says_why(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(KernelUnavailable, match="did not compile"):
+        build_torch_library("operators", cpp_operators.SOURCE, (), {"DENSE_ROWS": 32})
