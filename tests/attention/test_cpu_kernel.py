@@ -10,6 +10,8 @@ the C code runs, and without a compiler the engine falls back to the block-wise 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -91,6 +93,20 @@ def test_a_mixed_batch_is_one_list_of_rows_each_a_decode_of_its_own_length() -> 
     assert rows.seq_lens.tolist() == expected
     tables = metadata.block_tables.tolist()
     assert rows.block_tables.tolist() == [tables[b] for b, q in enumerate(queries) for _ in range(q)]
+
+
+def test_a_decode_step_is_planned_as_a_mixed_batch_would_be() -> None:
+    # A step of one new token per sequence takes a shortcut (no tensors rebuilt): the same rows, lengths, tables
+    # and largest block as the general plan, and the same refusals.
+    contexts = [0, 16, 5, 31, 99]
+    metadata, _, _ = random_step(contexts, [1] * len(contexts), 6, 2, 64)
+    decode, general = CpuKernelBackend._plan_decode_rows(metadata), CpuKernelBackend()._plan_mixed_rows(metadata)
+    for field in ("rows", "block_tables", "seq_lens"):
+        assert torch.equal(getattr(decode, field), getattr(general, field)), field
+    assert decode.max_block == general.max_block
+    broken = replace(metadata, block_tables_host=((-1,),) + metadata.block_tables_host[1:])
+    with pytest.raises(ValueError, match="negative"):
+        CpuKernelBackend._plan_decode_rows(broken)
 
 
 def test_chunks_longer_than_kernel_max_rows_go_block_wise() -> None:

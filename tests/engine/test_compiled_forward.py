@@ -15,6 +15,7 @@ import torch
 
 from llm_runtime import EngineConfig, LLMEngine, SamplingParams
 from llm_runtime.attention import available_backends
+from llm_runtime.engine.compiled_forward import model_kind
 from llm_runtime.model.packed_linear import pack_linears_
 from llm_runtime.model.quantized_embedding import Q8Embedding, Q8Head, Q8Table
 from llm_runtime.model.quantized_linear import quantize_linears_
@@ -171,6 +172,26 @@ def test_engines_share_the_graph_each_over_its_own_pool(tiny_pairs) -> None:
     expected = run_all(eager, [(prompt, params) for prompt in prompts])
     assert ([outputs["first"]], [outputs["second"]]) == (expected["0"], expected["1"])
     assert first.stats().num_compiled_steps == second.stats().num_compiled_steps == 10
+
+
+def test_a_model_of_another_kind_gets_its_own_graph(tiny_pairs) -> None:
+    """The graph skips the guards on the modules, so a model that differs in anything a trace reads (here only
+    its norms' epsilon, a constant in the graph) must get a graph of its own: each gives its eager tokens."""
+    model = _float32(tiny_pairs, "llama3")
+    same, other = copy.deepcopy(model), copy.deepcopy(model)
+    for module in other.modules():
+        if hasattr(module, "eps"):
+            module.eps = 0.5  # large enough to change the tokens
+    assert model_kind(same) == model_kind(model) != model_kind(other)
+    prompts = [([5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))]
+    tokens = {}
+    for name, candidate in (("model", model), ("other", other), ("same", same)):
+        for compiled in (True, False):
+            engine = LLMEngine(candidate, None, EngineConfig(num_kv_blocks=16, compile_model=compiled))
+            tokens[name, compiled] = run_all(engine, prompts)
+            assert engine.stats().num_compiled_steps == (8 if compiled else 0)
+    assert tokens["model", True] == tokens["model", False] == tokens["same", True]
+    assert tokens["other", True] == tokens["other", False] != tokens["model", False]
 
 
 def test_compiled_by_default_only_for_an_owned_cpu_model(tiny_pairs) -> None:

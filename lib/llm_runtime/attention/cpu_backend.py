@@ -88,6 +88,13 @@ class CpuKernelBackend(BlockwiseBackend):
         return CpuPlan(self._plan_kernel_rows(metadata), prefills, quantized_prefills(prefills, metadata))
 
     def _plan_kernel_rows(self, metadata: AttentionMetadata) -> KernelRows | None:
+        if metadata.query_lens_host and all(n == 1 for n in metadata.query_lens_host):
+            return self._plan_decode_rows(metadata)
+        return self._plan_mixed_rows(metadata)
+
+    def _plan_mixed_rows(self, metadata: AttentionMetadata) -> KernelRows | None:
+        """The kernel's rows for any batch: every row of a chunk of at most kernel_max_rows, each with its own
+        length (its position + 1) and its sequence's table."""
         query_lens = torch.tensor(metadata.query_lens_host, dtype=torch.long)  # (B,)
         seq_of_row = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens)  # (N,)
         rows = torch.arange(metadata.num_tokens, dtype=torch.long)
@@ -108,6 +115,21 @@ class CpuKernelBackend(BlockwiseBackend):
         check_indices(block_tables, row_lens, rows, num_rows=metadata.num_tokens, num_blocks=max_block + 1,
                       block_size=metadata.block_size)
         return KernelRows(rows, block_tables, row_lens, max_block)
+
+    @staticmethod
+    def _plan_decode_rows(metadata: AttentionMetadata) -> KernelRows:
+        """`_plan_mixed_rows` for a step of one new token per sequence: row b is sequence b and attends to its
+        seq_lens[b] keys, so the metadata's own tensors serve, and the indices are checked on the host's copies
+        (a handful of Python comparisons instead of a dozen small PyTorch operations a step)."""
+        tables = metadata.block_tables_host  # each long enough for its sequence (AttentionMetadata.build checks)
+        width = metadata.block_tables.shape[1]
+        if min(metadata.seq_lens_host) < 1 or max(metadata.seq_lens_host) > width * metadata.block_size:
+            raise ValueError(f"seq_lens must lie in [1, {width * metadata.block_size}] for tables of {width} blocks")
+        if any(block < 0 for table in tables for block in table):
+            raise ValueError("block table entries must not be negative")
+        max_block = max(max(table) for table in tables)
+        rows = torch.arange(len(tables), dtype=torch.long)
+        return KernelRows(rows, metadata.block_tables.cpu().contiguous(), metadata.seq_lens.cpu().contiguous(), max_block)
 
     def store_kv(self, key_pool: torch.Tensor, value_pool: torch.Tensor, slot_mapping: torch.Tensor,
                  key: torch.Tensor, value: torch.Tensor) -> None:

@@ -46,8 +46,6 @@ def load_library() -> ctypes.CDLL:
             function = getattr(library, f"{name}_{suffix}")
             function.restype = ctypes.c_int
             function.argtypes = argtypes
-    library.int4_matvec_bf16.restype = ctypes.c_int
-    library.int4_matvec_bf16.argtypes = [_P, _P, _P, _I, _I, _I, _P]  # x, packed, scales_and_zeros, N, K, group, out
     return library
 
 
@@ -92,24 +90,6 @@ def int4_dequantize_t(packed: torch.Tensor, scales_and_zeros: torch.Tensor, in_f
                                                          in_features, group_size, out.data_ptr())
     if status != 0:
         raise ValueError(f"the int4 kernel refused K={in_features}, group {group_size} (a multiple of 32 dividing K)")
-    return out
-
-
-def int4_matvec(rows: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
-                group_size: int) -> torch.Tensor | None:
-    """rows (1, K) @ W^T -> (1, N) in bfloat16 for a weight in PyTorch's CPU int4 packing (as `int4_dequantize_t`)
-    with N a multiple of 64, by the C kernel for one row (AVX512-BF16); None where it does not apply (another
-    dtype or shape, or a CPU without those instructions): the caller keeps PyTorch's kernel."""
-    num_rows, in_features = packed.shape[0], rows.shape[-1]
-    if (rows.shape[0] != 1 or rows.dtype != torch.bfloat16 or scales_and_zeros.dtype != torch.bfloat16
-            or not rows.is_contiguous() or packed.shape[1] * 2 != in_features
-            or scales_and_zeros.shape != (in_features // group_size, num_rows, 2)):
-        return None
-    _check_cpu_contiguous(packed=packed, scales_and_zeros=scales_and_zeros)
-    out = torch.empty(1, num_rows, dtype=torch.bfloat16)
-    if load_library().int4_matvec_bf16(rows.data_ptr(), packed.data_ptr(), scales_and_zeros.data_ptr(), num_rows,
-                                       in_features, group_size, out.data_ptr()) != 0:
-        return None
     return out
 
 

@@ -39,7 +39,7 @@ from torch import nn
 from ..native.cpp_operators import cpp_operator
 from ..native.operators import define_operator
 from .quantized_embedding import Q8Table
-from .quantized_kernels import int4_dequantize_t, int4_matvec, kernels_unavailable_reason
+from .quantized_kernels import int4_dequantize_t, kernels_unavailable_reason
 
 QUANTIZATIONS = ("int8", "int4", "gguf")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -247,10 +247,6 @@ def int4_product(rows: torch.Tensor, packed: torch.Tensor, group_size: int,
         return rows @ int4_dequantize_t(packed, scales_and_zeros, rows.shape[1], group_size)
     if packed.device.type == "cuda":
         return torch.ops.aten._weight_int4pack_mm(rows, packed, group_size, scales_and_zeros)
-    if rows.shape[0] == 1 and kernels_unavailable_reason() is None:  # one row: the C kernel where it applies
-        out = int4_matvec(rows, packed, scales_and_zeros, group_size)
-        if out is not None:
-            return out
     return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_and_zeros)
 
 

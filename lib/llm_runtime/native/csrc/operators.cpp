@@ -44,8 +44,6 @@ int int4_dequantize_t_f32(const uint8_t *packed, const float *scales_and_zeros, 
                           int64_t group, float *out);
 int int4_dequantize_t_bf16(const uint8_t *packed, const uint16_t *scales_and_zeros, int64_t N, int64_t K,
                            int64_t group, uint16_t *out);
-int int4_matvec_bf16(const uint16_t *x, const uint8_t *packed, const uint16_t *scales_and_zeros, int64_t N,
-                     int64_t K, int64_t group, uint16_t *out);
 }
 
 namespace {
@@ -78,33 +76,11 @@ at::Tensor int4_dequantize_t(const at::Tensor &packed, const at::Tensor &scales_
     return out;
 }
 
-// One bfloat16 row by the C kernel (quantized_kernels.int4_matvec); an undefined tensor where it does not apply.
-at::Tensor int4_matvec(const at::Tensor &rows, const at::Tensor &packed, int64_t group_size,
-                       const at::Tensor &scales_and_zeros) {
-    const int64_t N = packed.size(0), K = rows.size(1);
-    if (rows.size(0) != 1 || rows.scalar_type() != at::kBFloat16 || scales_and_zeros.scalar_type() != at::kBFloat16
-        || !rows.is_contiguous() || packed.scalar_type() != at::kByte || packed.dim() != 2 || packed.size(1) * 2 != K
-        || !packed.is_contiguous() || group_size <= 0 || K % group_size || scales_and_zeros.dim() != 3
-        || scales_and_zeros.size(0) != K / group_size || scales_and_zeros.size(1) != N || scales_and_zeros.size(2) != 2
-        || !scales_and_zeros.is_contiguous())
-        return {};
-    at::Tensor out = at::empty({1, N}, rows.options());
-    if (int4_matvec_bf16(static_cast<const uint16_t *>(rows.data_ptr()), packed.data_ptr<uint8_t>(),
-                         static_cast<const uint16_t *>(scales_and_zeros.data_ptr()), N, K, group_size,
-                         static_cast<uint16_t *>(out.data_ptr())) != 0)
-        return {};
-    return out;
-}
-
 // rows (M, K) @ W^T -> (M, N padded): quantized_linear.int4_product on the CPU, where the C kernels build.
 at::Tensor int4_matmul(const at::Tensor &rows, const at::Tensor &packed, int64_t group_size,
                        const at::Tensor &scales_and_zeros) {
     if (rows.size(0) > DENSE_ROWS || rows.scalar_type() == at::kFloat)  // the weight back, then a dense product
         return at::mm(rows, int4_dequantize_t(packed, scales_and_zeros, rows.size(1), group_size));
-    if (rows.size(0) == 1) {
-        at::Tensor out = int4_matvec(rows, packed, group_size, scales_and_zeros);
-        if (out.defined()) return out;
-    }
     return at::_weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_and_zeros);
 }
 
