@@ -129,7 +129,8 @@ class CpuKernelBackend(BlockwiseBackend):
             raise ValueError("block table entries must not be negative")
         max_block = max(max(table) for table in tables)
         rows = torch.arange(len(tables), dtype=torch.long)
-        return KernelRows(rows, metadata.block_tables.cpu().contiguous(), metadata.seq_lens.cpu().contiguous(), max_block)
+        tables_tensor, lengths = metadata.block_tables.cpu().contiguous(), metadata.seq_lens.cpu().contiguous()
+        return KernelRows(rows, tables_tensor, lengths, max_block)
 
     def store_kv(self, key_pool: torch.Tensor, value_pool: torch.Tensor, slot_mapping: torch.Tensor,
                  key: torch.Tensor, value: torch.Tensor) -> None:

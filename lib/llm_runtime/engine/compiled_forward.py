@@ -27,7 +27,8 @@ What a call costs besides its kernels: dynamo checks the graph's guards before e
 bundled model, most of them on the modules (their hook dictionaries, attributes and types): 0.7 ms of a
 step on the 2-core CI machine. So each kind of model gets its own copy of `_forward` (`model_kind`, a
 digest of everything about the modules a trace reads), and the copy's graph skips the module guards
-(0.27 ms). Hooks registered on the model after the engine is built are not seen. And inductor's generated
+(0.27 ms). So a model changed after the engine is built (a hook registered, a layer swapped) is not seen:
+build the engine after the model is final. And inductor's generated
 loops run on one thread: at decode each handles one row, where a parallel region costs more than it
 saves. With both, the bundled model's native 4-bit batch-1 step went from 2.84-2.90x float32's speed to
 3.05-3.14x (four runs of each, alternated).
@@ -153,7 +154,7 @@ class CompiledForward:
 
 def model_kind(model: torch.nn.Module) -> str:
     """Everything about the model's modules that a trace reads, as a digest: each module's path and class, its
-    attributes (numbers, shapes, configs, the pointwise operations it calls; hooks by their count), and each
+    attributes (numbers, shapes, configs, the pointwise operations it calls, its hooks), and each
     parameter's and buffer's shape, strides, dtype and device. Two models of one kind differ only in their
     tensors' values, which the graph takes as inputs."""
     def describe(value: object) -> str:
@@ -170,7 +171,7 @@ def model_kind(model: torch.nn.Module) -> str:
         cls = type(module)
         lines.append(f"{path} {cls.__module__}.{cls.__qualname__}")
         lines.extend(f"  {key} = {describe(value)}" for key, value in sorted(vars(module).items())
-                     if key not in ("_modules", "_non_persistent_buffers_set"))
+                     if key not in ("_modules", "_non_persistent_buffers_set"))  # a set: no stable order
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 

@@ -19,13 +19,13 @@ compiled beside it: about 10 s the first time, cached the same way.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -127,7 +127,8 @@ def build_torch_library(name: str, source: Path, c_sources: tuple[Path, ...], de
     definitions = [f"-D{key}={value}" for key, value in sorted(defines.items())]
     # PyTorch's build chose the C++ standard library's ABI; a library passing it std::strings must match.
     definitions.append(f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
-    headers = sorted({header for path in c_sources for header in path.parent.glob("*.h")} | set(INCLUDE_DIR.glob("*.h")))
+    headers = sorted({header for path in c_sources for header in path.parent.glob("*.h")}
+                     | set(INCLUDE_DIR.glob("*.h")))
     folder = default_cache_dir() / "kernels"
     errors = []
     for flags in flag_sets:

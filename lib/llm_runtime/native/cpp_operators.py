@@ -61,7 +61,8 @@ def load_cpp_operators() -> str | None:
     except (KernelUnavailable, OSError) as error:
         logger.info("the compiled forward pass calls the Python operators: %s", error)
         return str(error)
-    fakes = {"int4_matmul": quantized_linear.int4_matmul_fake, "cpu_paged_attention": cpu_kernels.cpu_paged_attention_fake}
+    fakes = {"int4_matmul": quantized_linear.int4_matmul_fake,
+             "cpu_paged_attention": cpu_kernels.cpu_paged_attention_fake}
     for name in NAMES:
         torch.library.register_fake(f"{NAMESPACE}::{name}")(fakes[name])
         _LOADED[name] = getattr(getattr(torch.ops, NAMESPACE), name).default
