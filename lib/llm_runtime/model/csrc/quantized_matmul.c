@@ -83,7 +83,6 @@ static inline void q8_tile(const float *x, int m, const int8_t *q, const float *
     }
 }
 #else
-#define TILE 1
 #define TILED_ROWS(V) 0 /* no tiles: every row by q8_row */
 #endif
 
@@ -125,21 +124,21 @@ static inline void q8_row(const float *x, int m, const int8_t *q, const float *d
 
 /* Inside q8_matmul: the rows 0 .. tiled - 1 tile by tile (AVX-512 only; nothing otherwise). */
 #if defined(__AVX512F__)
-#define Q8_TILES(T, LOAD, STORE)                                                                       \
+#define Q8_TILES(LOAD, STORE)                                                                          \
         _Pragma("omp parallel for schedule(static)")                                                   \
         for (int64_t v0 = 0; v0 < tiled; v0 += TILE) {                                                 \
             float dt[blocks * TILE], mt[blocks * TILE], sums[ROWS * TILE];                             \
             for (int64_t b = 0; b < blocks; b++)                                                       \
                 for (int j = 0; j < TILE; j++) {                                                       \
                     dt[b * TILE + j] = LOAD(d[b * V + v0 + j]);                                        \
-                    mt[b * TILE + j] = mins == NULL ? 0.0f : LOAD(mins[b * V + v0 + j]);               \
+                    if (mins != NULL) mt[b * TILE + j] = LOAD(mins[b * V + v0 + j]);                   \
                 }                                                                                      \
             q8_tile(xf + r0 * K, m, q + v0 * 32, dt, mins == NULL ? NULL : mt, xsum + r0 * blocks, blocks, V, sums); \
             for (int r = 0; r < m; r++)                                                                \
                 for (int j = 0; j < TILE; j++) out[(r0 + r) * V + v0 + j] = STORE(sums[r * TILE + j]);  \
         }
 #else
-#define Q8_TILES(T, LOAD, STORE)
+#define Q8_TILES(LOAD, STORE)
 #endif
 
 /* The exported functions, once per compute type T with LOAD / STORE (one element to and from float). */
@@ -190,10 +189,10 @@ int q8_matmul_##SUFFIX(const T *x, int64_t x_stride, int64_t M, const int8_t *q,
             for (int64_t k = b * 32; k < b * 32 + 32; k++) total += xf[r * K + k] = LOAD(x[r * x_stride + k]); \
             xsum[r * blocks + b] = total;                                                              \
         }                                                                                              \
-    const int64_t tiled = TILED_ROWS(V); /* rows 0 .. tiled - 1 in tiles of TILE */                  \
+    const int64_t tiled = TILED_ROWS(V); /* rows 0 .. tiled - 1 in tiles (AVX-512), the rest by row */ \
     for (int64_t r0 = 0; r0 < M; r0 += ROWS) {                                                         \
         const int m = (int)(M - r0 < ROWS ? M - r0 : ROWS);                                            \
-        Q8_TILES(T, LOAD, STORE)                                                                       \
+        Q8_TILES(LOAD, STORE)                                                                          \
         _Pragma("omp parallel for schedule(static)")                                                   \
         for (int64_t v = tiled; v < V; v++) {                                                          \
             float d_v[blocks], m_v[blocks], sums[ROWS];                                                \
