@@ -240,8 +240,9 @@ class EngineConfig:
     cpu_device_memory: int = DEFAULT_CPU_DEVICE_MEMORY  # the CPU's emulated device memory (the KV budget's rule)
     enable_prefix_caching: bool = True  # reuse computed blocks of equal prefixes across requests
     # How the pool stores keys and values: "auto" (the model's dtype), "int8" (a scale and zero per layer, KV
-    # head and channel, calibrated at start for max_model_len) or "fp8" (e4m3): 4x the tokens of a float32 pool
-    # in the same bytes (attention/kv_quant.py, kv_calibration.py).
+    # head and channel, calibrated at start; keys turned back by the rotary embedding, so the scales hold at any
+    # position) or "fp8" (e4m3): 4x the tokens of a float32 pool in the same bytes (attention/kv_quant.py,
+    # kv_calibration.py).
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS (lesson 11)
     # The model's linear weights repacked in place for oneDNN (model/packed_linear.py; the CPU, float32 and

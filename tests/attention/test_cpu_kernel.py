@@ -19,9 +19,10 @@ from llm_runtime.attention import available_backends, select_backend
 from llm_runtime.attention import cpu_kernels
 from llm_runtime.attention.cpu_backend import CpuKernelBackend
 from llm_runtime.attention.cpu_kernels import KernelUnavailable, check_indices, paged_decode, paged_decode_quantized
-from llm_runtime.attention.kv_quant import ChannelScale, KVQuantization, QuantizedPools
+from llm_runtime.attention.kv_quant import ChannelScale, KeyTurns, KVQuantization, QuantizedPools
 from llm_runtime.attention.metadata import AttentionMetadata
 from llm_runtime.attention.torch_gather import TorchGatherBackend
+from llm_runtime.config import RopeConfig
 
 pytestmark = pytest.mark.skipif(cpu_kernels.kernel_unavailable_reason() is not None,
                                 reason="no C compiler builds the kernel here")
@@ -258,19 +259,29 @@ def stored_values(pool: torch.Tensor) -> torch.Tensor:
     return (pool * spread + spread / 2).float()
 
 
-def quantized_pools(pools, kv_cache_dtype: str):
-    """(key, value) float64 pools -> the 8-bit pools as stored, their scales (int8: each channel's range
-    over the pool), and the float32 pools they stand for (what the kernel must read)."""
+def quantized_pools(pools, kv_cache_dtype: str, metadata: AttentionMetadata) -> tuple[QuantizedPools, list]:
+    """(key, value) float64 pools -> the 8-bit pools as stored with their scales (int8: each channel's range
+    over the pool, keys stored turned back by the rotary embedding), and the float32 pools they stand for
+    (what the kernel must read: int8's keys turned to the positions `metadata`'s tables give their slots)."""
     quantization = KVQuantization.of(kv_cache_dtype, torch.float32)
-    stored, scales, read_back = [], [], []
+    stored, scales = [], []
     for pool in pools:
         x = stored_values(pool)  # (num_blocks, block_size, KV, d)
         scale = ChannelScale.spanning(x.amin(dim=(0, 1)), x.amax(dim=(0, 1))) if quantization.scaled else None
-        data = quantization.quantize(x, scale)
-        stored.append(data)
+        stored.append(quantization.quantize(x, scale))
         scales.append(scale)
-        read_back.append(quantization.dequantize(data, scale, torch.float32))
-    return stored[0], stored[1], scales[0], scales[1], read_back
+    head_dim = pools[0].shape[-1]
+    turns = KeyTurns.of(RopeConfig(theta=100.0), head_dim) if quantization.turns_keys else None  # turns fast
+    result = QuantizedPools(quantization, stored[0], stored[1], scales[0], scales[1], turns)
+    starts = metadata.block_starts()
+    every_block = torch.arange(pools[0].shape[0])
+    block_starts = torch.tensor([starts.get(int(b), 0) for b in every_block])
+    return result, list(result.read_blocks(every_block, block_starts, torch.float32))
+
+
+def read_quantized(query, pools: QuantizedPools, metadata, rows, out) -> None:
+    paged_decode_quantized(query, pools.key_pool, pools.value_pool, pools.key_scale, pools.value_scale,
+                           metadata.block_tables, metadata.seq_lens, rows, out, key_turns=pools.key_turns)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
@@ -279,12 +290,11 @@ def quantized_pools(pools, kv_cache_dtype: str):
 def test_an_8bit_pool_is_read_as_stored(kv_cache_dtype, dtype, head_dim) -> None:
     contexts = [length - 1 for length in DECODE_LENGTHS]
     metadata, pools, query = random_step(contexts, [1] * len(contexts), 6, 2, head_dim)
-    key_pool, value_pool, key_scales, value_scales, read_back = quantized_pools(pools, kv_cache_dtype)
-    assert key_pool.element_size() == 1
+    stored, read_back = quantized_pools(pools, kv_cache_dtype, metadata)
+    assert stored.key_pool.element_size() == 1
     q = query.to(dtype)
     out = torch.full(q.shape, float("nan"), dtype=dtype)
-    paged_decode_quantized(q, key_pool, value_pool, key_scales, value_scales, metadata.block_tables,
-                           metadata.seq_lens, (metadata.query_start_loc[1:] - 1).long(), out)
+    read_quantized(q, stored, metadata, (metadata.query_start_loc[1:] - 1).long(), out)
     expected = torch.empty(q.shape, dtype=torch.float32)
     paged_decode(q.float(), *read_back, metadata.block_tables, metadata.seq_lens,
                  (metadata.query_start_loc[1:] - 1).long(), expected)
@@ -302,10 +312,9 @@ def test_the_avx2_and_plain_c_builds_read_8bit_pools_as_stored(monkeypatch, tmp_
     cpu_kernels.load_library.cache_clear()
     try:
         for kv_cache_dtype in ("int8", "fp8"):
-            key_pool, value_pool, key_scales, value_scales, read_back = quantized_pools(pools, kv_cache_dtype)
+            stored, read_back = quantized_pools(pools, kv_cache_dtype, metadata)
             out, expected = torch.empty(query.shape), torch.empty(query.shape)
-            paged_decode_quantized(query.float(), key_pool, value_pool, key_scales, value_scales,
-                                   metadata.block_tables, metadata.seq_lens, rows, out)
+            read_quantized(query.float(), stored, metadata, rows, out)
             paged_decode(query.float(), *read_back, metadata.block_tables, metadata.seq_lens, rows, expected)
             assert (out - expected).abs().max() < 1e-5 * expected.abs().max(), kv_cache_dtype
     finally:
@@ -320,18 +329,20 @@ def test_the_backend_reads_an_8bit_pool_in_place_and_long_chunks_over_a_copy_of_
     backend = CpuKernelBackend()
     backend.kernel_max_rows = 8  # the 9-, 12- and 20-row chunks are long here
     metadata, pools, query = random_step(contexts, queries, 6, 2, 64)
-    key_pool, value_pool, key_scales, value_scales, read_back = quantized_pools(pools, kv_cache_dtype)
+    stored, read_back = quantized_pools(pools, kv_cache_dtype, metadata)
+    key_pool = stored.key_pool
     plan = backend.plan(metadata)
     long_prefix = sorted({b for chunk in plan.prefills for blocks, _ in chunk.prefix_tiles for b in blocks.tolist()})
     assert plan.quantized_prefills.blocks.tolist() == long_prefix  # the 20-row and 12-row chunks' prefixes
     assert 0 < len(long_prefix) < key_pool.shape[0]  # a copy of some blocks, not of the pool
     num_kv_heads, head_dim = key_pool.shape[2:]
-    # The step's own keys and values in full precision (the backend rounds them as stored) and as read back.
+    # The step's own keys and values in full precision (the backend rounds them as stored; int8's keys as the
+    # model has them, turned to their positions) and as read back.
     key, value = (stored_values(pool).view(-1, num_kv_heads, head_dim)[metadata.slot_mapping] for pool in pools)
+    if stored.key_turns is not None:
+        key = stored.key_turns.turn(key, metadata.token_positions())
     read_key, read_value = (pool.view(-1, num_kv_heads, head_dim)[metadata.slot_mapping] for pool in read_back)
     assert not torch.equal(key, read_key)
-    stored = QuantizedPools(KVQuantization.of(kv_cache_dtype, torch.float32), key_pool, value_pool, key_scales,
-                            value_scales)
     out = backend.forward_quantized(query.float(), key, value, stored, plan)
     reference = TorchGatherBackend()
     expected = reference.forward(query.float(), read_key, read_value, *read_back, reference.plan(metadata))
@@ -342,18 +353,25 @@ def test_bad_8bit_pools_are_refused_before_the_c_code_runs() -> None:
     metadata, pools, query = random_step([5, 40], [1, 1], 6, 2, 64)
     rows, out = (metadata.query_start_loc[1:] - 1).long(), torch.empty(query.shape)
     args = (metadata.block_tables, metadata.seq_lens, rows, out)
-    key_pool, value_pool, key_scales, value_scales, _ = quantized_pools(pools, "int8")
+    stored, _ = quantized_pools(pools, "int8", metadata)
+    key_pool, value_pool, key_scales, value_scales, turns = (stored.key_pool, stored.value_pool, stored.key_scale,
+                                                             stored.value_scale, stored.key_turns)
     with pytest.raises(ValueError, match="needs its key and value scales"):
-        paged_decode_quantized(query.float(), key_pool, value_pool, None, None, *args)
+        paged_decode_quantized(query.float(), key_pool, value_pool, None, None, *args, key_turns=turns)
+    with pytest.raises(ValueError, match="the model's key_turns"):
+        paged_decode_quantized(query.float(), key_pool, value_pool, key_scales, value_scales, *args)
     with pytest.raises(ValueError, match="per KV head and channel"):
         wrong = ChannelScale(key_scales.scale[:, :32], key_scales.zero[:, :32])  # half the channels
-        paged_decode_quantized(query.float(), key_pool, value_pool, wrong, value_scales, *args)
+        paged_decode_quantized(query.float(), key_pool, value_pool, wrong, value_scales, *args, key_turns=turns)
+    with pytest.raises(ValueError, match="key_turns for heads of 32"):
+        paged_decode_quantized(query.float(), key_pool, value_pool, key_scales, value_scales, *args,
+                               key_turns=KeyTurns.of(RopeConfig(), 32))
     with pytest.raises(TypeError, match="quantized C kernel reads"):
         paged_decode_quantized(query.float(), key_pool, value_pool.view(torch.uint8), key_scales, value_scales,
-                               *args)
-    fp8_key, fp8_value, *_ = quantized_pools(pools, "fp8")
+                               *args, key_turns=turns)
+    fp8, _ = quantized_pools(pools, "fp8", metadata)
     with pytest.raises(ValueError, match="has no scales"):
-        paged_decode_quantized(query.float(), fp8_key, fp8_value, key_scales, value_scales, *args)
+        paged_decode_quantized(query.float(), fp8.key_pool, fp8.value_pool, key_scales, value_scales, *args)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -390,3 +408,30 @@ def test_a_step_with_a_long_chunk_has_no_compiled_inputs() -> None:
     short, pools, _ = random_step([0, 9], [6, 1], 2, 2, 64)
     with pytest.raises(ValueError, match="outside a pool"):
         backend.compiled_inputs(backend.plan(short), 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_c_int8_store_writes_the_bytes_the_python_path_writes(dtype) -> None:
+    """Keys turned back by their positions, every element rounded with its channel's scale: in one C call,
+    the same bytes as `QuantizedPools.write`, padding rows skipped; a bad slot writes nothing."""
+    gen = torch.Generator().manual_seed(5)
+    num_blocks, block_size, num_kv_heads, head_dim = 6, 4, 2, 64
+    size = torch.logspace(-2, 1, head_dim)  # channels of different sizes, off zero
+    key = (torch.randn(7, num_kv_heads, head_dim, generator=gen) * size + size).to(dtype)
+    value = (torch.randn(7, num_kv_heads, head_dim, generator=gen) * size - size).to(dtype)
+    slots = torch.tensor([3, 9, -1, 0, 17, 22, 5])
+    positions = torch.tensor([0, 1, 0, 40, 511, 6000, 3])
+    scales = [ChannelScale.spanning(x.float().amin(0) * 0.9, x.float().amax(0) * 0.9) for x in (key, value)]  # some clamp
+    turns = KeyTurns.of(RopeConfig(theta=10_000.0), head_dim)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    int8 = KVQuantization.of("int8", dtype)
+    by_python, by_c = (QuantizedPools(int8, torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8),
+                                      *scales, turns) for _ in range(2))
+    by_python.write(slots, key, value, positions)
+    cpu_kernels.store_kv_int8(by_c, slots, key.transpose(0, 1).contiguous().transpose(0, 1), value, positions)  # strided
+    assert torch.equal(by_c.key_pool, by_python.key_pool) and torch.equal(by_c.value_pool, by_python.value_pool)
+    assert by_c.key_pool.view(-1, num_kv_heads, head_dim)[[1, 2, 4]].abs().max() == 0  # nothing where nothing went
+    with pytest.raises(ValueError, match="nothing written"):
+        cpu_kernels.store_kv_int8(by_c, torch.tensor([0, 24]), key[:2], value[:2], positions[:2])
+    with pytest.raises(TypeError, match="C int8 store takes"):
+        cpu_kernels.store_kv_int8(by_c, slots, key.double(), value.double(), positions)

@@ -10,9 +10,10 @@ import torch
 from llm_runtime.attention import AttentionMetadata, PagedAttentionStep, PagedKVCache, available_backends
 from llm_runtime.attention.causal import causal_attention
 from llm_runtime.attention.kv_cache import kv_block_bytes, num_blocks_in
-from llm_runtime.attention.kv_quant import ChannelScale, KVQuantization, KVScales, compact_step
+from llm_runtime.attention.kv_quant import ChannelScale, KeyTurns, KVQuantization, KVScales, compact_step
 from llm_runtime.attention.selector import backend_class
-from llm_runtime.config import ModelConfig
+from llm_runtime.config import ModelConfig, RopeConfig
+from llm_runtime.model.rope import RotaryEmbedding, apply_rotary
 
 BLOCK_SIZE = 4
 FLOAT32_BACKENDS = [name for name, reason in available_backends("cpu", torch.float32, BLOCK_SIZE).items()
@@ -63,6 +64,26 @@ def test_fp8_round_trip_has_a_relative_error_of_one_sixteenth() -> None:
     assert fp8.round_trip(torch.tensor([1e4, -1e4])).tolist() == [448.0, -448.0]
 
 
+def test_key_turns_are_the_models_rotary_embedding_and_turning_back_undoes_them() -> None:
+    rope, head_dim = RopeConfig(theta=10_000.0), 16
+    x = torch.randn(2, 3, 7, head_dim, generator=torch.Generator().manual_seed(3))  # (B, KV, T, d), as the model has it
+    positions = torch.tensor([0, 1, 5, 100, 1000, 4095, 8191])
+    cos, sin = RotaryEmbedding(rope, head_dim)(positions[None], torch.float32)
+    by_model = apply_rotary(x, cos, sin)
+    turns = KeyTurns.of(rope, head_dim)
+    turned = turns.turn(x.transpose(1, 2), positions).transpose(1, 2)  # (B, T, KV, d) in and out
+    assert torch.allclose(turned, by_model, atol=1e-6)
+    assert torch.allclose(turns.turn(turned.transpose(1, 2), positions, back=True).transpose(1, 2), x, atol=1e-5)
+    table_cos, table_sin = turns.tables(3000)  # grown to the length asked, at least 1,024 positions
+    assert table_cos.shape == table_sin.shape == (3000, head_dim // 2) and table_cos.is_contiguous()
+    assert torch.allclose(table_cos[positions[:5]], cos[0, :5, : head_dim // 2], atol=1e-6)
+    assert turns.tables(10)[0] is table_cos  # held, not recomputed
+    with pytest.raises(ValueError, match="give the keys' positions"):
+        PagedKVCache(1, 2, 2, 3, head_dim, dtype=torch.float32, device="cpu", kv_cache_dtype="int8",
+                     kv_scales=KVScales.uniform(1, 3, head_dim, 4.0)).write(0, torch.tensor([0]), x[0, :, :1].transpose(0, 1),
+                                                                            x[0, :, :1].transpose(0, 1))
+
+
 def test_a_quantized_pool_holds_four_times_the_tokens_of_a_float32_one() -> None:
     config = ModelConfig("llama", 100, 576, 1536, 30, 9, 3, 64, 2048)  # the bundled model's shape
     full = kv_block_bytes(config, 16, torch.float32)
@@ -93,19 +114,21 @@ def test_write_skips_padding_and_copy_on_write_copies_blocks() -> None:
     cache = PagedKVCache(1, 4, 2, 1, 8, dtype=torch.float32, device="cpu", kv_cache_dtype="int8",
                          kv_scales=KVScales.uniform(1, 1, 8, 24.0))
     k = torch.arange(24, dtype=torch.float32).view(3, 1, 8)
-    cache.write(0, torch.tensor([1, -1, 6]), k, -k)
-    keys, values = cache.read_blocks(0, torch.arange(4))  # (4, 2, 1, 8)
+    cache.write(0, torch.tensor([1, -1, 6]), k, -k, positions=torch.tensor([1, 0, 0]))
+    keys, values = cache.read_blocks(0, torch.arange(4), block_starts=torch.tensor([0, 2, 4, 0]))  # (4, 2, 1, 8)
     flat = keys.view(8, 8)
     assert torch.allclose(flat[1], k[0, 0], atol=0.1) and torch.allclose(flat[6], k[2, 0], atol=0.1)
     assert flat[[0, 2, 3, 4, 5, 7]].abs().max() == 0  # the padded row wrote nowhere
     cache.copy_blocks([(3, 0)])  # slot 6 -> slot 0
-    assert torch.equal(cache.read_blocks(0, torch.tensor([0]))[1].view(2, 8)[0], values.view(8, 8)[6])
+    assert torch.equal(cache.read_blocks(0, torch.tensor([0]), torch.tensor([0]))[1].view(2, 8)[0], values.view(8, 8)[6])
 
 
 def test_compact_step_renumbers_tables_and_slots() -> None:
     metadata = AttentionMetadata.build([[7, 3], [5], [9, 2, 8]], [5, 0, 9], [1, 2, 1], block_size=4, device="cpu")
     compact = compact_step(metadata)
     assert compact.blocks.tolist() == [0, 2, 3, 5, 7, 8, 9]
+    assert compact.block_starts.tolist() == [0, 4, 4, 0, 0, 8, 0]  # column times block size (0: padding)
+    assert metadata.token_positions().tolist() == [5, 0, 1, 9]
     blocks = compact.blocks
     # Every table entry and every slot names the same block after renumbering.
     assert torch.equal(blocks[compact.metadata.block_tables.long()][:, :2], metadata.block_tables.long()[:, :2])
@@ -118,7 +141,7 @@ def _reference(cache: PagedKVCache, query, keys, values, seq_lens, query_lens) -
     """Causal attention per sequence over its keys and values quantized and read back."""
     outs, row = [], 0
     for b, (length, count) in enumerate(zip(seq_lens, query_lens)):
-        k, v = cache.stored_as(0, keys[b], values[b])  # (S, KV, d) each
+        k, v = cache.stored_as(0, keys[b], values[b], torch.arange(length))  # (S, KV, d) each
         q = query[row : row + count]  # (T, H, d)
         out = causal_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                length - count)  # (1, H, T, d)
@@ -151,7 +174,7 @@ def test_every_backend_reads_the_quantized_pool(backend: str, kv_cache_dtype: st
                          kv_cache_dtype=kv_cache_dtype, kv_scales=scales)
     history = AttentionMetadata.build(tables, [0] * len(lengths), contexts, block_size=BLOCK_SIZE, device="cpu")
     cache.write(0, history.slot_mapping, torch.cat([k[:c] for k, c in zip(keys, contexts)]),
-                torch.cat([v[:c] for v, c in zip(values, contexts)]))
+                torch.cat([v[:c] for v, c in zip(values, contexts)]), history.token_positions())
     metadata = AttentionMetadata.build(tables, contexts, counts, block_size=BLOCK_SIZE, device="cpu")
     query = torch.randn(sum(counts), num_heads, head_dim, generator=gen)
     step = PagedAttentionStep(cache, backend_class(backend)(), metadata)

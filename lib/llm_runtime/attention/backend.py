@@ -93,6 +93,12 @@ class AttentionBackend(ABC):
         already stored there; a backend may read them from these arguments instead."""
 
 
+    def store_quantized(self, pools: QuantizedPools, slot_mapping: torch.Tensor, key: torch.Tensor,
+                        value: torch.Tensor, positions: torch.Tensor | None) -> None:
+        """Store this step's key, value (N, KV, d) at `positions` (N,) into a layer's 8-bit pools at flat slots
+        `slot_mapping` (-1 writes nowhere), quantized (kv_quant.py). A backend may do it in one call."""
+        pools.write(slot_mapping, key, value, positions)
+
     def forward_quantized(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pools: QuantizedPools,
                           plan: Any) -> torch.Tensor:
         """As `forward`, over a layer's 8-bit pools as stored (only where `reads_quantized_kv`). key and value
@@ -139,6 +145,8 @@ class PagedAttentionStep:
         self.compact = compact_step(metadata, whole_pool) if cache.quantized and not backend.reads_quantized_kv \
             else None
         self.plan = backend.plan(metadata if self.compact is None else self.compact.metadata)
+        # An int8 pool stores keys turned back by their positions' rotary angles (kv_quant.py).
+        self.positions = metadata.token_positions() if cache.quantization.turns_keys else None
         if timer is not None:
             timer.attention += time.perf_counter() - started
 
@@ -152,12 +160,13 @@ class PagedAttentionStep:
             self.backend.store_kv(key_pool, value_pool, self.metadata.slot_mapping, key, value)
             out = self.backend.forward(query, key, value, key_pool, value_pool, self.plan)  # (N, H, d)
         else:  # quantize into the pool, attend over it (and over these keys as stored)
-            self.cache.write(layer_idx, self.metadata.slot_mapping, key, value)
+            pools = self.cache.layer(layer_idx)
+            self.backend.store_quantized(pools, self.metadata.slot_mapping, key, value, self.positions)
             if self.compact is None:  # the backend reads 8 bits where they lie
-                out = self.backend.forward_quantized(query, key, value, self.cache.layer(layer_idx), self.plan)
+                out = self.backend.forward_quantized(query, key, value, pools, self.plan)
             else:  # the step's blocks read back: (U, block_size, KV, d) each, and these keys as stored
-                key, value = self.cache.stored_as(layer_idx, key, value)
-                key_pool, value_pool = self.cache.read_blocks(layer_idx, self.compact.blocks)
+                key, value = self.cache.stored_as(layer_idx, key, value, self.positions)
+                key_pool, value_pool = self.cache.read_blocks(layer_idx, self.compact.blocks, self.compact.block_starts)
                 out = self.backend.forward(query, key, value, key_pool, value_pool, self.plan)
         if self.timer is not None:
             self.timer.attention += time.perf_counter() - started

@@ -17,9 +17,9 @@ standard bench's prompts (12-128 tokens) 0.6-1.1 s in all against 2.3 s. The new
 go into the pool by a C call too (`csrc/store_kv.c`).
 
 An 8-bit pool (`kv_cache_dtype` "int8" or "fp8", kv_quant.py) is read where it lies too
-(`forward_quantized`): the kernel converts each stored element to float32 as it loads it, int8's
-scales per channel folded into the query and the output around the call, so the rows it serves
-need no full-precision copy of their blocks. Long prefill chunks stay block-wise over a copy of the
+(`forward_quantized`): the kernel converts each stored element to float32 as it loads it (int8's
+keys scaled and turned to their positions a chunk at a time, the values' scales folded into the
+output around the call), so the rows it serves need no full-precision copy of their blocks. Long prefill chunks stay block-wise over a copy of the
 blocks their cached prefixes read, and only those (`QuantizedPrefills`).
 
 Available on the CPU in float32 and bfloat16 when a C compiler builds the kernel; otherwise the
@@ -35,7 +35,7 @@ import torch
 from . import cpu_kernels
 from .blockwise import BlockwiseBackend, PrefillChunk
 from .cpu_kernels import KERNEL_DTYPES, check_indices, kernel_unavailable_reason, paged_decode, paged_decode_quantized
-from .kv_quant import QuantizedPools, dequantize_blocks
+from .kv_quant import QuantizedPools
 from .metadata import AttentionMetadata
 from ..native.cpp_operators import cpp_operator
 
@@ -58,6 +58,8 @@ class QuantizedPrefills:
 
     blocks: torch.Tensor  # (U,) int64: the pool blocks the chunks' cached prefixes read, ascending; may be empty
     prefills: list[PrefillChunk]
+    block_starts: torch.Tensor  # (U,) int64: the position of each block's first token
+    positions: torch.Tensor | None  # (N,) int64: each row's position (where there are chunks), for int8's keys
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,13 @@ class CpuKernelBackend(BlockwiseBackend):
         self._attend_prefills(query, key, value, key_pool, value_pool, plan.prefills, out)
         return out
 
+    def store_quantized(self, pools: QuantizedPools, slot_mapping: torch.Tensor, key: torch.Tensor,
+                        value: torch.Tensor, positions: torch.Tensor | None) -> None:
+        if pools.quantization.name == "int8" and positions is not None:  # one C call (fp8: the Python path)
+            cpu_kernels.store_kv_int8(pools, slot_mapping, key, value, positions)
+        else:
+            pools.write(slot_mapping, key, value, positions)
+
     def forward_quantized(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pools: QuantizedPools,
                           plan: CpuPlan) -> torch.Tensor:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # (N, H, d), contiguous
@@ -172,19 +181,18 @@ class CpuKernelBackend(BlockwiseBackend):
             if query.stride(-1) != 1:
                 query = query.contiguous()
             paged_decode_quantized(query, pools.key_pool, pools.value_pool, pools.key_scale, pools.value_scale,
-                                   rows.block_tables, rows.seq_lens, rows.rows, out, indices_checked=True)
+                                   rows.block_tables, rows.seq_lens, rows.rows, out, indices_checked=True,
+                                   key_turns=pools.key_turns)
         if plan.prefills:
             # Chunks of more than kernel_max_rows rows stay block-wise, where ATen's blocked kernel beats the
             # row-by-row one (1.27 s against 1.83 s at 2048 rows, module docstring). It reads full-precision
             # keys: a copy of the blocks the chunks' cached prefixes read, and only those, made once per layer,
             # small beside the T x S attention that reads it (the chunks' own keys are `key` and `value`).
             # Sending these rows through the kernel instead would skip the copy but lose that speed.
-            blocks, quantization = plan.quantized_prefills.blocks, pools.quantization
-            key = quantization.round_trip(key, pools.key_scale)  # as the pool holds them
-            value = quantization.round_trip(value, pools.value_scale)
-            key_pool = dequantize_blocks(quantization, pools.key_pool, pools.key_scale, blocks, query.dtype)
-            value_pool = dequantize_blocks(quantization, pools.value_pool, pools.value_scale, blocks, query.dtype)
-            self._attend_prefills(query, key, value, key_pool, value_pool, plan.quantized_prefills.prefills, out)
+            copy = plan.quantized_prefills
+            key, value = pools.stored_as(key, value, copy.positions)  # as the pool holds them
+            key_pool, value_pool = pools.read_blocks(copy.blocks, copy.block_starts, query.dtype)
+            self._attend_prefills(query, key, value, key_pool, value_pool, copy.prefills, out)
         return out
 
 
@@ -202,4 +210,7 @@ def quantized_prefills(prefills: list[PrefillChunk], metadata: AttentionMetadata
     compact = [replace(chunk, prefix_tiles=[(torch.tensor([index[b] for b in blocks.tolist()], device=device), keys)
                                             for blocks, keys in chunk.prefix_tiles])
                for chunk in prefills]
-    return QuantizedPrefills(torch.tensor(used, dtype=torch.int64, device=device), compact)
+    starts = metadata.block_starts()
+    return QuantizedPrefills(torch.tensor(used, dtype=torch.int64, device=device), compact,
+                             torch.tensor([starts[b] for b in used], dtype=torch.int64, device=device),
+                             metadata.token_positions() if prefills else None)

@@ -3,8 +3,9 @@
 PyTorch has no CPU operator that reads keys where they lie in a paged pool, so the `cpu` backend
 brings its own: `csrc/paged_decode.c` (attention, plain C with OpenMP; the file explains the
 algorithm) and `csrc/store_kv.c` (the step's keys and values into the pool). Attention reads a pool
-in the query's dtype (`paged_decode`) or an 8-bit one as stored, int8 (its scales folded into the
-query and the output) or float8 e4m3fn (`paged_decode_quantized`, kv_quant.py): one C function per pair of dtypes. The
+in the query's dtype (`paged_decode`) or an 8-bit one as stored, int8 (keys scaled and turned to their
+positions in the kernel, the values' scales folded into the output) or float8 e4m3fn
+(`paged_decode_quantized`, kv_quant.py): one C function per pair of dtypes. The
 library is built on first use and cached (`native/build.py`), and loaded with ctypes. PyTorch tensors are
 passed as raw pointers, so the wrapper checks every dtype, layout and shape the C code assumes.
 
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .kv_quant import ChannelScale
+from .kv_quant import ChannelScale, KeyTurns, QuantizedPools
 from ..native import FLAG_SETS, KernelUnavailable, build_library
 from ..native.operators import define_operator  # noqa: F401 (tests set FLAG_SETS here)
 
@@ -40,7 +41,9 @@ QUANTIZED_KERNELS = {
     (torch.float32, torch.float8_e4m3fn): "paged_decode_f32_fp8",
     (torch.bfloat16, torch.float8_e4m3fn): "paged_decode_bf16_fp8",
 }
-SCALED_POOL_DTYPES = (torch.int8,)  # pools read with a ChannelScale (kv_quant.py)
+TURNED_KEY_KERNELS = ("paged_decode_f32_i8", "paged_decode_bf16_i8")
+STORE_INT8 = {torch.float32: "store_kv_int8_f32", torch.bfloat16: "store_kv_int8_bf16"}  # keys' dtype -> C store
+SCALED_POOL_DTYPES = (torch.int8,)  # pools read with a ChannelScale, keys turned back (kv_quant.py)
 
 
 @functools.cache
@@ -55,6 +58,18 @@ def load_library() -> ctypes.CDLL:
                              ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # tables, stride, seq_lens
                              ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # rows, num_seqs, out
                              ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float]
+        if symbol in TURNED_KEY_KERNELS:  # the keys' and values' scales and zeros, the angles' cosines and sines
+            function.argtypes += [ctypes.c_void_p] * 6
+    for symbol in STORE_INT8.values():
+        function = getattr(library, symbol)
+        function.restype = ctypes.c_int
+        function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # key, strides
+                             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # value, strides
+                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,  # slot_mapping, positions, num_rows
+                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,  # pools, num_slots
+                             ctypes.c_int, ctypes.c_int,  # num_kv_heads, head_dim
+                             *[ctypes.c_void_p] * 6,  # the scales and zeros, the angles' cosines and sines
+                             ctypes.c_int64]  # num_positions
     library.store_kv.restype = ctypes.c_int
     library.store_kv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # key, strides
                                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # value, strides
@@ -114,18 +129,19 @@ def paged_decode_quantized(
     out: torch.Tensor,
     *,
     indices_checked: bool = False,
+    key_turns: KeyTurns | None = None,
 ) -> None:
     """`paged_decode` over 8-bit pools as stored (kv_quant.py), converted to float32 in the kernel's
     registers: no full-precision copy of any block.
 
     query and out float32 or bfloat16 (one dtype); key_pool, value_pool (num_blocks, block_size, KV, d)
-    contiguous, both int8 or both float8_e4m3fn; for int8, the layer's key_scale and value_scale, for
-    float8 both None. The rest as `paged_decode`.
+    contiguous, both int8 or both float8_e4m3fn; for int8, the layer's key_scale and value_scale and the
+    model's `key_turns`, for float8 all None. The rest as `paged_decode`.
 
-    An int8 element stands for q * s + z, s and z per KV head and channel, so the kernel reads q alone:
-    each score q . (s_k k + z_k) is (q s_k) . k plus q . z_k, the same for every key of a query, which
-    the softmax cancels; so the query goes in times s_k. The output is a weighted mean of the values
-    (the weights sum to one), so it comes out as (mean of stored values) * s_v + z_v.
+    An int8 element stands for q * s + z, s and z per KV head and channel. Keys were stored turned back by
+    the rotary embedding, so the kernel scales each chunk of them and turns it to its positions (a table
+    of angles as long as the longest row) before the dot products. The output is a weighted mean of the
+    values (the weights sum to one), so the kernel writes (mean of stored values) * s_v + z_v.
     """
     symbol = QUANTIZED_KERNELS.get((query.dtype, key_pool.dtype))
     if symbol is None or value_pool.dtype != key_pool.dtype or out.dtype != query.dtype:
@@ -133,12 +149,12 @@ def paged_decode_quantized(
         raise TypeError(f"the quantized C kernel reads {pairs} (out in the query's dtype), got query "
                         f"{query.dtype}, pools {key_pool.dtype}/{value_pool.dtype}, out {out.dtype}")
     if key_pool.dtype not in SCALED_POOL_DTYPES:
-        if key_scale is not None or value_scale is not None:
-            raise ValueError(f"a {key_pool.dtype} pool has no scales")
+        if key_scale is not None or value_scale is not None or key_turns is not None:
+            raise ValueError(f"a {key_pool.dtype} pool has no scales and keys as the model turned them")
         _paged_decode(symbol, query, key_pool, value_pool, block_tables, seq_lens, rows, out, indices_checked)
         return
-    if key_scale is None or value_scale is None:
-        raise ValueError(f"a {key_pool.dtype} pool needs its key and value scales")
+    if key_scale is None or value_scale is None or key_turns is None:
+        raise ValueError(f"a {key_pool.dtype} pool needs its key and value scales and the model's key_turns")
     num_heads, (_, _, num_kv_heads, head_dim) = query.shape[1], key_pool.shape
     for scale in (key_scale, value_scale):
         if scale.scale.shape != (num_kv_heads, head_dim) or scale.zero.shape != (num_kv_heads, head_dim):
@@ -146,23 +162,19 @@ def paged_decode_quantized(
                              f"got {tuple(scale.scale.shape)} and {tuple(scale.zero.shape)}")
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly")
-    # Query heads h * group .. h * group + group - 1 share KV head h: (N, H, d) seen as (N, KV, group, d), the
-    # (KV, d) scales broadcast over each group.
-    per_group = (-1, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    key_s = key_scale.scale[:, None]  # (KV, 1, d)
-    scaled_query = (query.float().reshape(per_group) * key_s).reshape(query.shape).to(query.dtype)  # contiguous
-    _paged_decode(symbol, scaled_query, key_pool, value_pool, block_tables, seq_lens, rows, out, indices_checked)
-    if rows.numel():  # the decode rows the kernel wrote, from stored units to values
-        stored = out[rows].float().reshape(per_group)
-        out[rows] = (stored * value_scale.scale[:, None] + value_scale.zero[:, None]).reshape(-1, *out.shape[1:]) \
-            .to(out.dtype)
+    if key_turns.inv_freq.shape != (head_dim // 2,):
+        raise ValueError(f"key_turns for heads of {2 * key_turns.inv_freq.shape[0]}, pools of {head_dim}")
+    cos, sin = key_turns.tables(int(seq_lens.max()) if seq_lens.numel() else 0)  # (P, d/2) each
+    scales = [t.float().contiguous() for t in (key_scale.scale, key_scale.zero, value_scale.scale, value_scale.zero)]
+    _paged_decode(symbol, query, key_pool, value_pool, block_tables, seq_lens, rows, out, indices_checked,
+                  (*scales, cos, sin))
 
 
 def _paged_decode(symbol: str, query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
-                  indices_checked: bool) -> None:
+                  indices_checked: bool, key_extras: tuple[torch.Tensor, ...] = ()) -> None:
     """The checks every variant shares (devices, layouts, shapes, indices), then the C call `symbol`
-    (dtypes already checked by the caller)."""
+    (dtypes already checked by the caller; `key_extras` checked there too)."""
     tensors = (query, key_pool, value_pool, block_tables, seq_lens, rows, out)
     if any(t.device.type != "cpu" for t in tensors):
         raise ValueError("the C kernel runs on CPU tensors only")
@@ -186,22 +198,25 @@ def _paged_decode(symbol: str, query: torch.Tensor, key_pool: torch.Tensor, valu
     if not indices_checked:
         check_indices(block_tables, seq_lens, rows, num_rows=query.shape[0], num_blocks=key_pool.shape[0],
                       block_size=block_size)
-    _call_paged_decode(symbol, query, key_pool, value_pool, block_tables, seq_lens, rows, out)
+    _call_paged_decode(symbol, query, key_pool, value_pool, block_tables, seq_lens, rows, out, key_extras)
 
 
 def _call_paged_decode(symbol: str, query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                        block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor,
-                       out: torch.Tensor) -> None:
-    """The C call `symbol` over tensors already checked."""
+                       out: torch.Tensor, key_extras: tuple[torch.Tensor, ...] = ()) -> None:
+    """The C call `symbol` over tensors already checked (an int8 pool's `key_extras`: the keys' and values'
+    scales and zeros, the angles' cosines and sines, float32 and contiguous)."""
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_pool.shape
     status = getattr(load_library(), symbol)(
         query.data_ptr(), query.stride(0), query.stride(1), key_pool.data_ptr(), value_pool.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), rows.data_ptr(), rows.shape[0],
-        out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, head_dim ** -0.5)
+        out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size, head_dim ** -0.5,
+        *(t.data_ptr() for t in key_extras))
     if status != 0:
         raise ValueError(f"the C kernel does not handle {num_heads} heads over {num_kv_heads} KV heads "
-                         f"of dim {head_dim} (at most 256 query heads, and heads x head dim at most 16384)")
+                         f"of dim {head_dim} (at most 256 query heads, and heads x head dim at most 16384; "
+                         f"an int8 pool's heads even and at most 256)")
 
 
 def store_kv(key_pool: torch.Tensor, value_pool: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor,
@@ -226,6 +241,54 @@ def store_kv(key_pool: torch.Tensor, value_pool: torch.Tensor, slot_mapping: tor
         raise ValueError(f"shapes disagree: key {tuple(key.shape)}, value {tuple(value.shape)}, pools "
                          f"{tuple(key_pool.shape)} / {tuple(value_pool.shape)}, slots {tuple(slot_mapping.shape)}")
     _call_store_kv(key_pool, value_pool, slot_mapping, key, value)
+
+
+def store_kv_int8(pools: QuantizedPools, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  positions: torch.Tensor) -> None:
+    """`QuantizedPools.write` for an int8 pool, in one C call (csrc/store_kv.c): key, value (N, KV, d) float32 or
+    bfloat16 at positions (N,) into flat slots `slot_mapping` (N,), keys turned back, every element rounded
+    with its channel's scale; the same bytes as the Python path. ValueError, with nothing written, if a slot
+    lies outside the pool."""
+    symbol = STORE_INT8.get(key.dtype)
+    if symbol is None or value.dtype != key.dtype or pools.key_pool.dtype != torch.int8 \
+            or pools.value_pool.dtype != torch.int8:
+        raise TypeError(f"the C int8 store takes float32 or bfloat16 keys and values into int8 pools, got {key.dtype}, "
+                        f"{value.dtype} into {pools.key_pool.dtype}/{pools.value_pool.dtype}")
+    turns, key_scale, value_scale = pools.key_turns, pools.key_scale, pools.value_scale
+    if turns is None or key_scale is None or value_scale is None:
+        raise ValueError("an int8 pool needs its key and value scales and the model's key_turns")
+    tensors = (key, value, pools.key_pool, pools.value_pool, slot_mapping, positions)
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError("the C store runs on CPU tensors only")
+    if not (pools.key_pool.is_contiguous() and pools.value_pool.is_contiguous() and slot_mapping.is_contiguous()
+            and positions.is_contiguous()) or key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("pools, slot_mapping and positions must be contiguous, key's and value's last dimension too")
+    if slot_mapping.dtype != torch.int64 or positions.dtype != torch.int64:
+        raise TypeError(f"slot_mapping and positions are int64, got {slot_mapping.dtype} and {positions.dtype}")
+    num_rows, num_kv_heads, head_dim = key.shape
+    if value.shape != key.shape or pools.key_pool.shape[2:] != key.shape[1:] \
+            or pools.value_pool.shape != pools.key_pool.shape or slot_mapping.shape != (num_rows,) \
+            or positions.shape != (num_rows,):
+        raise ValueError(f"shapes disagree: key {tuple(key.shape)}, value {tuple(value.shape)}, pools "
+                         f"{tuple(pools.key_pool.shape)}, slots {tuple(slot_mapping.shape)}, positions "
+                         f"{tuple(positions.shape)}")
+    for scale in (key_scale, value_scale):
+        if scale.scale.shape != (num_kv_heads, head_dim) or scale.zero.shape != (num_kv_heads, head_dim):
+            raise ValueError(f"scales must be ({num_kv_heads}, {head_dim}) per KV head and channel")
+    if turns.inv_freq.shape != (head_dim // 2,):
+        raise ValueError(f"key_turns for heads of {2 * turns.inv_freq.shape[0]}, pools of {head_dim}")
+    cos, sin = turns.tables(int(positions.max()) + 1 if num_rows else 0)  # (P, d/2) each
+    extras = [t.float().contiguous() for t in (key_scale.scale, key_scale.zero, value_scale.scale, value_scale.zero)]
+    status = getattr(load_library(), symbol)(
+        key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0), value.stride(1),
+        slot_mapping.data_ptr(), positions.data_ptr(), num_rows, pools.key_pool.data_ptr(),
+        pools.value_pool.data_ptr(), pools.key_pool.shape[0] * pools.key_pool.shape[1], num_kv_heads, head_dim,
+        *(t.data_ptr() for t in extras), cos.data_ptr(), sin.data_ptr(), cos.shape[0])
+    if status == 2:
+        raise ValueError(f"the C int8 store turns pairs of channels: head_dim must be even, got {head_dim}")
+    if status != 0:
+        raise ValueError(f"a slot outside the pool of {pools.key_pool.shape[0] * pools.key_pool.shape[1]} slots, or a "
+                         f"position outside 0 .. {cos.shape[0] - 1}: nothing written")
 
 
 def _call_store_kv(key_pool: torch.Tensor, value_pool: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor,

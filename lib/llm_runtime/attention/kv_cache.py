@@ -16,8 +16,8 @@ from typing import Protocol
 import torch
 
 from .causal import causal_attention
-from .kv_quant import ChannelScale, KVQuantization, KVScales, QuantizedPools, dequantize_blocks
-from ..config import ModelConfig
+from .kv_quant import ChannelScale, KeyTurns, KVQuantization, KVScales, QuantizedPools
+from ..config import ModelConfig, RopeConfig
 
 
 class KVCache(Protocol):
@@ -114,8 +114,9 @@ class PagedKVCache:
     Token t of a sequence lives at flat slot table[t // block_size] * block_size + t % block_size.
     With `kv_cache_dtype` "int8" or "fp8" the pools hold 8-bit elements (`quantization.storage`); an int8
     pool reads them through `kv_scales`, a scale and zero per layer, KV head and channel (`kv_quant.py`,
-    measured by `kv_calibration.calibrate_kv_scales`). `dtype` stays the model's, the dtype attention
-    reads them back in.
+    measured by `kv_calibration.calibrate_kv_scales`), and stores keys turned back by the rotary
+    embedding of `rope` (`key_turns`), so writing and reading its keys takes their positions. `dtype`
+    stays the model's, the dtype attention reads them back in.
     """
 
     def __init__(
@@ -130,6 +131,7 @@ class PagedKVCache:
         device: torch.device | str,
         kv_cache_dtype: str = "auto",
         kv_scales: KVScales | None = None,
+        rope: RopeConfig | None = None,
     ) -> None:
         if min(num_layers, num_blocks, block_size, num_kv_heads, head_dim) < 1:
             raise ValueError("every paged KV cache dimension must be >= 1")
@@ -139,6 +141,9 @@ class PagedKVCache:
         elif kv_scales is not None:
             raise ValueError(f"a {kv_cache_dtype!r} pool takes no kv_scales")
         self.kv_scales = None if kv_scales is None else kv_scales.to(device)
+        # int8 keys are stored turned back by the rotary embedding (kv_quant.py). Turning back and forth by
+        # any angles gives the same keys; the model's own (`rope`) are the ones its scales were measured with.
+        self.key_turns = KeyTurns.of(rope or RopeConfig(), head_dim, device) if quantization.turns_keys else None
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=quantization.storage, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=quantization.storage, device=device) for _ in range(num_layers)]
@@ -152,22 +157,17 @@ class PagedKVCache:
         kv_cache_dtype: str = "auto", kv_scales: KVScales | None = None,
     ) -> "PagedKVCache":
         return cls(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim,
-                   dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
+                   dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales, rope=config.rope)
 
     @property
     def quantized(self) -> bool:
         return self.quantization.quantized
 
-    def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              positions: torch.Tensor | None = None) -> None:
         """Store k, v (N, num_kv_heads, head_dim) at flat slots `slot_mapping` (N,), quantized when the
-        pool is; a slot of -1 writes nowhere."""
-        keep = slot_mapping >= 0
-        if not bool(keep.all()):
-            slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
-        key_scale, value_scale = self.scales(layer_idx)
-        for pools, scale, x in ((self.keys, key_scale, k), (self.values, value_scale, v)):
-            stored = self.quantization.quantize(x, scale)
-            pools[layer_idx].view(-1, *x.shape[1:])[slot_mapping] = stored  # (num_blocks * block_size, KV, d)
+        pool is (an int8 pool needs the tokens' `positions` (N,)); a slot of -1 writes nowhere."""
+        self.layer(layer_idx).write(slot_mapping, k, v, positions)
 
     def scales(self, layer_idx: int) -> tuple[ChannelScale | None, ChannelScale | None]:
         """A layer's key and value scales (an int8 pool's), or (None, None)."""
@@ -177,18 +177,19 @@ class PagedKVCache:
 
     def layer(self, layer_idx: int) -> QuantizedPools:
         """A layer's pools as stored, with their scales."""
-        return QuantizedPools(self.quantization, self.keys[layer_idx], self.values[layer_idx], *self.scales(layer_idx))
+        return QuantizedPools(self.quantization, self.keys[layer_idx], self.values[layer_idx], *self.scales(layer_idx),
+                              self.key_turns)
 
-    def stored_as(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v (..., KV, d) as this layer's pools hold them, read back in their dtype."""
-        key_scale, value_scale = self.scales(layer_idx)
-        return self.quantization.round_trip(k, key_scale), self.quantization.round_trip(v, value_scale)
+    def stored_as(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+                  positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (N, KV, d) at `positions` (N,) as this layer's pools hold them, read back in their dtype."""
+        return self.layer(layer_idx).stored_as(k, v, positions)
 
-    def read_blocks(self, layer_idx: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the given blocks (U,) in the model's dtype: (U, block_size, KV, d) each."""
-        pools = self.layer(layer_idx)
-        return (dequantize_blocks(self.quantization, pools.key_pool, pools.key_scale, blocks, self.dtype),
-                dequantize_blocks(self.quantization, pools.value_pool, pools.value_scale, blocks, self.dtype))
+    def read_blocks(self, layer_idx: int, blocks: torch.Tensor,
+                    block_starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the given blocks (U,), whose first tokens sit at `block_starts` (U,) (an int8
+        pool's keys need them), in the model's dtype: (U, block_size, KV, d) each."""
+        return self.layer(layer_idx).read_blocks(blocks, block_starts, self.dtype)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks (source, destination) in every layer."""

@@ -4,17 +4,23 @@ An int8 pool stores every key and value element in one byte, with a scale and a 
 head and channel that do not change once the engine runs. So they must cover what the model will
 write, and no more than that (a wider range is a coarser step). `calibrate_kv_scales` runs the model
 over a text shipped with the package (`data/kv_calibration.txt`: prose, a dialogue, code, a table, a
-letter, three languages; not the text quality is measured on), watches every layer's keys and values
-on their way into the cache (`KVRangeObserver`, a `KVCache` that only looks), and takes each channel's
-lowest and highest value, widened by `headroom` about its middle; at generation, an element beyond it
-is clamped.
+letter, three languages; not the text quality is measured on) in windows, watches every layer's keys
+and values on their way into the cache (`KVRangeObserver`, a `KVCache` that only looks), and takes
+each channel's lowest and highest value, widened by `headroom` about its middle; at generation, an
+element beyond it is clamped.
 
-Keys are stored after the rotary embedding, which turns each pair of channels by an angle that grows
-with the position: a slow pair barely turns in the first hundred tokens and fully in the last
-thousand. A text run at positions 0 .. 255 alone would leave those channels' ranges short for long
-contexts. So the text is cut into windows placed across the positions the engine serves, the first at
-0 and the last ending at `max_position`: the same tokens, seen turned by the angles of every part of
-the context. A longer context costs some precision: lesson 13 measures it.
+Two things about what the model writes shape the scales:
+
+- Keys are measured, and stored, turned back by the rotary embedding (`KeyTurns`): as the model
+  computed them before it turned each pair of channels by an angle that grows with the position.
+  Turned, a slow pair's range would depend on how far into the context the key sits, and a range
+  for every position is as wide as a full turn; turned back, it is the same at every position, so
+  the windows all start at position 0 and the scales hold for any context.
+- The first token of a sequence is where the model parks the attention it does not need (an
+  attention sink): in the bundled model's later layers 30-70 % of a query's weight (lesson 13), so its
+  value comes through into every output. From the middle layers on its value vector is nearly the
+  same whatever the token, and small beside the others'. So each channel's steps are moved (by less
+  than half a step) to put the mean first-token value on one of them exactly (`ChannelScale.placing`).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .causal import causal_attention
-from .kv_quant import ChannelScale, KVScales
+from .kv_quant import ChannelScale, KeyTurns, KVScales
 
 if TYPE_CHECKING:  # the model package imports attention: only the type checker needs these here
     from ..model import CausalLM
@@ -38,18 +44,25 @@ NUM_RANDOM_TOKENS = 1024  # without a tokenizer: this many token ids drawn from 
 
 
 class KVRangeObserver:
-    """A `KVCache` that keeps nothing: each layer's lowest and highest key and value per KV head and
-    channel, over every token it is shown, then plain causal attention over this forward's tokens."""
+    """A `KVCache` that keeps nothing: each layer's lowest and highest key (turned back by `turns`) and value
+    per KV head and channel over every token it is shown, and the mean value of the windows' first tokens;
+    then plain causal attention over this forward's tokens, each window at positions 0 .. T - 1."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, turns: KeyTurns) -> None:
+        self.turns = turns
         self.key_low: list[torch.Tensor | None] = [None] * num_layers  # (KV, d) float32 each
         self.key_high: list[torch.Tensor | None] = [None] * num_layers
         self.value_low: list[torch.Tensor | None] = [None] * num_layers
         self.value_high: list[torch.Tensor | None] = [None] * num_layers
+        self.first_values: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]  # (B, KV, d) each
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (B, H, T, d), k, v (B, KV, T, d) -> (B, H, T, d), after noting k's and v's ranges."""
-        for lows, highs, x in ((self.key_low, self.key_high, k), (self.value_low, self.value_high, v)):
+        """q (B, H, T, d), k, v (B, KV, T, d) at positions 0 .. T - 1 -> (B, H, T, d), after noting k's
+        (turned back) and v's ranges."""
+        positions = torch.arange(k.shape[2], device=k.device)  # (T,)
+        turned_back = self.turns.turn(k.transpose(1, 2), positions, back=True).transpose(1, 2)  # (B, KV, T, d)
+        self.first_values[layer_idx].append(v[:, :, 0].float())
+        for lows, highs, x in ((self.key_low, self.key_high, turned_back), (self.value_low, self.value_high, v)):
             low, high = x.float().amin(dim=(0, 2)), x.float().amax(dim=(0, 2))  # (KV, d)
             seen_low, seen_high = lows[layer_idx], highs[layer_idx]
             lows[layer_idx] = low if seen_low is None else torch.minimum(seen_low, low)
@@ -63,8 +76,8 @@ class KVRangeObserver:
         if any(x is None for x in self.key_low):
             raise ValueError("the observer has seen no tokens")
         keys = tuple(ChannelScale.spanning(low, high, headroom) for low, high in zip(self.key_low, self.key_high))
-        values = tuple(ChannelScale.spanning(low, high, headroom)
-                       for low, high in zip(self.value_low, self.value_high))
+        values = tuple(ChannelScale.spanning(low, high, headroom).placing(torch.cat(first).mean(0))
+                       for low, high, first in zip(self.value_low, self.value_high, self.first_values))
         return KVScales(keys, values)  # type: ignore[arg-type]
 
 
@@ -76,25 +89,23 @@ def calibration_token_ids(tokenizer: Tokenizer | None, vocab_size: int) -> list[
     return torch.randint(vocab_size, (NUM_RANDOM_TOKENS,), generator=generator).tolist()
 
 
-def window_starts(num_windows: int, max_position: int, window: int = WINDOW) -> list[int]:
-    """Where each window's first token sits: spread evenly, the first at 0, the last ending at max_position."""
-    room = max(max_position - window, 0)
-    return [room * w // max(num_windows - 1, 1) for w in range(num_windows)]
-
-
 @torch.inference_mode()
-def calibrate_kv_scales(model: CausalLM, token_ids: list[int], *, max_position: int | None = None,
-                        headroom: float = HEADROOM, window: int = WINDOW) -> KVScales:
-    """The scales of an int8 pool for `model`: its keys' and values' ranges over `token_ids`, run in windows
-    of `window` tokens placed across positions 0 .. `max_position` (default: the model's positions)."""
+def observe_kv_ranges(model: CausalLM, token_ids: list[int], *, window: int = WINDOW) -> KVRangeObserver:
+    """`model` run over `token_ids` in windows of `window` tokens, each at positions 0 .. window - 1, and what
+    an observer saw of its keys (turned back) and values."""
     if not token_ids:
         raise ValueError("calibration needs at least one token")
-    max_position = max_position or model.config.max_position_embeddings
-    window = min(window, max_position)
-    observer = KVRangeObserver(model.config.num_layers)
-    chunks = [token_ids[i : i + window] for i in range(0, len(token_ids), window)]
-    for chunk, start in zip(chunks, window_starts(len(chunks), max_position, window)):
+    observer = KVRangeObserver(model.config.num_layers,
+                               KeyTurns.of(model.config.rope, model.config.head_dim, model.device))
+    for start in range(0, len(token_ids), window):
+        chunk = token_ids[start : start + window]
         input_ids = torch.tensor([chunk], device=model.device)  # (1, T)
-        positions = torch.arange(start, start + len(chunk), device=model.device)[None]  # (1, T)
-        model(input_ids, observer, positions)
-    return observer.scales(headroom)
+        model(input_ids, observer, torch.arange(len(chunk), device=model.device)[None])
+    return observer
+
+
+def calibrate_kv_scales(model: CausalLM, token_ids: list[int], *, headroom: float = HEADROOM,
+                        window: int = WINDOW) -> KVScales:
+    """The scales of an int8 pool for `model`: its keys' (turned back) and values' ranges over `token_ids`
+    (`observe_kv_ranges`), widened by `headroom`, the values' steps placed on the first tokens' value."""
+    return observe_kv_ranges(model, token_ids, window=window).scales(headroom)

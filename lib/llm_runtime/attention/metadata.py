@@ -63,6 +63,24 @@ class AttentionMetadata:
         """Keys each sequence had before this step (its cached prefix)."""
         return tuple(s - q for s, q in zip(self.seq_lens_host, self.query_lens_host))
 
+    def token_positions(self) -> torch.Tensor:
+        """(N,) int64 on the metadata's device: each new token's position in its sequence (rows past the
+        sequences' tokens, padding, at 0)."""
+        query_lens = torch.tensor(self.query_lens_host, dtype=torch.long)  # (B,)
+        seq_of_row = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens)  # (sum of query_lens,)
+        starts = torch.tensor(self.context_lens_host, dtype=torch.long)  # (B,) each sequence's first new position
+        first_rows = torch.cumsum(query_lens, 0) - query_lens  # (B,)
+        positions = torch.arange(len(seq_of_row)) - first_rows[seq_of_row] + starts[seq_of_row]
+        padding = self.num_tokens - len(seq_of_row)
+        if padding > 0:
+            positions = torch.cat((positions, torch.zeros(padding, dtype=torch.long)))
+        return positions.to(self.slot_mapping.device)
+
+    def block_starts(self) -> dict[int, int]:
+        """Each block of the step's tables -> the position of its first token (column j holds positions
+        j * block_size onwards; a block shared by several sequences sits in the same column of each)."""
+        return {block: j * self.block_size for table in self.block_tables_host for j, block in enumerate(table)}
+
     @classmethod
     def build(
         cls,

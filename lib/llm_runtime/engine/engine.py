@@ -267,17 +267,15 @@ class LLMEngine:
                           stacklevel=3)
 
     def _calibrate_kv_scales(self) -> KVScales | None:
-        """An int8 pool's scales, from the model's keys and values over the calibration text placed across
-        the context asked for (`max_model_len`, else the model's; attention/kv_calibration.py): the same for
-        every pool size. None for any other pool."""
+        """An int8 pool's scales, from the model's keys (turned back by the rotary embedding) and values over
+        the calibration text (attention/kv_calibration.py): the same for every pool size and context. None
+        for any other pool."""
         if self.config.kv_cache_dtype != "int8":
             return None
         started = time.perf_counter()
         token_ids = calibration_token_ids(self.tokenizer, self.model.config.vocab_size)
-        positions = self.config.max_model_len or self.model.config.max_position_embeddings
-        scales = calibrate_kv_scales(self.model, token_ids, max_position=positions)
-        logger.info("int8 KV cache: scales from %d tokens across %d positions in %.2f s", len(token_ids),
-                    positions, time.perf_counter() - started)
+        scales = calibrate_kv_scales(self.model, token_ids)
+        logger.info("int8 KV cache: scales from %d tokens in %.2f s", len(token_ids), time.perf_counter() - started)
         return scales
 
     def _num_kv_blocks(self, max_model_len: int, graphs: bool) -> int:

@@ -11,16 +11,18 @@
  * Exported, one per pair of (query and output type, pool element type), the body being
  * paged_decode_body.h included once per pair:
  *   paged_decode_f32, paged_decode_bf16          a pool in the query's own type
- *   paged_decode_f32_i8, paged_decode_bf16_i8    an int8 pool, its elements as stored (no scales)
+ *   paged_decode_f32_i8, paged_decode_bf16_i8    an int8 pool, its elements as stored, keys turned back
+ *                                                by the rotary embedding (with their scales, TURNED_KEYS)
  *   paged_decode_f32_fp8, paged_decode_bf16_fp8  a float8 e4m3fn pool, without scales
  * Each returns 0, or 1 for shapes it does not handle.
  *
  * 8-bit pools (kv_quant.py) are read as stored too: an int8 element is the integer q itself, a float8
  * one its number. Elements become float32 in registers, 16 at a time, as the dot products and the
  * value sums load them. An int8 pool's element stands for q * s + z, with a scale s and a zero z per
- * layer, KV head and channel, the same for every token; so the caller folds them in around the call
- * (cpu_kernels.py): s_key into the query, s_value and z_value into the output, and z_key is a constant
- * added to every score of a query, which the softmax does not see.
+ * layer, KV head and channel, the same for every token. Its keys were turned back by the rotary
+ * embedding before they were stored, so the kernel turns each chunk of them to its positions
+ * (`turn_keys`, given the scales and a table of angles) before the dot products. The output is a
+ * weighted mean of the values (the weights sum to one): the mean of the stored values times s_v, plus z_v.
  *
  * Layouts (all row-major, element strides):
  *   query      (N, H, d)  rows `rows[b]` are the decodes; q_row_stride / q_head_stride given, d contiguous
@@ -48,6 +50,7 @@
 #define PREFETCH_AHEAD 1 /* chunks between a prefetch and its use (1 measured fastest here, then 2, 4) */
 #define MAX_HEADS 256 /* query heads */
 #define MAX_STATE 16384 /* query heads x head dim: the per-sequence state kept on the stack */
+#define MAX_HEAD_DIM 256 /* of keys turned in the kernel (an int8 pool's) */
 
 /* exp(x) for x <= 0, as 2^(x log2 e) = 2^n * 2^f with n the nearest integer and f in [-1/2, 1/2]:
  * 2^f by its Taylor series to degree 6 (relative error 2.3e-7 over that range, evaluated in
@@ -140,7 +143,6 @@ static inline float NAME(const float *q, const T *k, int d) {                   
 }
 DEFINE_DOT_AVX512(dot_f32, float, load16_f32, f32_to_float)
 DEFINE_DOT_AVX512(dot_bf16, uint16_t, load16_bf16, bf16_to_float)
-DEFINE_DOT_AVX512(dot_i8, int8_t, load16_i8, int8_to_float)
 DEFINE_DOT_AVX512(dot_fp8, uint8_t, load16_fp8, fp8_to_float)
 
 /* a += sum over t < n of p[t] * rows[t], 64 elements (four vectors, four independent chains) at a
@@ -207,7 +209,6 @@ static inline void NAME(float *s, const float *q, const T *const *keys, int n, i
 }
 DEFINE_CHUNK_SCORES_AVX512(chunk_scores_f32, float, load16_f32, dot_f32)
 DEFINE_CHUNK_SCORES_AVX512(chunk_scores_bf16, uint16_t, load16_bf16, dot_bf16)
-DEFINE_CHUNK_SCORES_AVX512(chunk_scores_i8, int8_t, load16_i8, dot_i8)
 DEFINE_CHUNK_SCORES_AVX512(chunk_scores_fp8, uint8_t, load16_fp8, dot_fp8)
 
 /* exp_nonpositive on 16 lanes: the same steps, with 2^n applied by scalef. */
@@ -257,9 +258,6 @@ static inline __m256 load8_bf16(const uint16_t *x) {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)x));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
-static inline __m256 load8_i8(const int8_t *x) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)x)));
-}
 static inline __m256 load8_fp8(const uint8_t *x) {  /* as load16_fp8 in the AVX-512 path */
     const __m256i bits = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)x));
     const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7f));
@@ -282,7 +280,6 @@ static inline float NAME(const float *q, const T *k, int d) {                   
 }
 DEFINE_DOT_AVX2(dot_f32, float, load8_f32, f32_to_float)
 DEFINE_DOT_AVX2(dot_bf16, uint16_t, load8_bf16, bf16_to_float)
-DEFINE_DOT_AVX2(dot_i8, int8_t, load8_i8, int8_to_float)
 DEFINE_DOT_AVX2(dot_fp8, uint8_t, load8_fp8, fp8_to_float)
 #else
 #define DEFINE_DOT_PORTABLE(NAME, T, LOAD1)                                                           \
@@ -296,7 +293,6 @@ static inline float NAME(const float *q, const T *k, int d) {                   
 }
 DEFINE_DOT_PORTABLE(dot_f32, float, f32_to_float)
 DEFINE_DOT_PORTABLE(dot_bf16, uint16_t, bf16_to_float)
-DEFINE_DOT_PORTABLE(dot_i8, int8_t, int8_to_float)
 DEFINE_DOT_PORTABLE(dot_fp8, uint8_t, fp8_to_float)
 #endif
 
@@ -307,7 +303,6 @@ static inline void NAME(float *s, const float *q, const T *const *keys, int n, i
 }
 DEFINE_CHUNK_SCORES(chunk_scores_f32, float, dot_f32)
 DEFINE_CHUNK_SCORES(chunk_scores_bf16, uint16_t, dot_bf16)
-DEFINE_CHUNK_SCORES(chunk_scores_i8, int8_t, dot_i8)
 DEFINE_CHUNK_SCORES(chunk_scores_fp8, uint8_t, dot_fp8)
 static inline float chunk_softmax(float *s, int n, float *running_max, float *running_sum) {
     float chunk_max = *running_max;
@@ -332,6 +327,28 @@ DEFINE_AXPY_CHUNK(axpy_chunk_i8, int8_t, int8_to_float)
 DEFINE_AXPY_CHUNK(axpy_chunk_fp8, uint8_t, fp8_to_float)
 #endif
 
+/* An int8 pool's keys are stored turned back by the rotary embedding, as q with a scale s and a zero z
+ * per channel (kv_quant.py). Key t of a chunk, at position first + t, becomes float32 in turned[t]:
+ * x = q * s + z, then each pair of channels (i, i + d/2) turned by that position's angles, as the
+ * model turned it before storing: (x_i cos - x_j sin, x_j cos + x_i sin). */
+static inline void turn_keys(float turned[][MAX_HEAD_DIM], const int8_t *const *keys, int n, int first, int d,
+                             const float *scale, const float *zero, const float *cos_table,
+                             const float *sin_table) {
+    const int half = d / 2;
+    for (int t = 0; t < n; t++) {
+        const int8_t *k = keys[t];
+        const float *c = cos_table + (int64_t)(first + t) * half, *s = sin_table + (int64_t)(first + t) * half;
+        float *out = turned[t];
+        #pragma omp simd
+        for (int i = 0; i < half; i++) {
+            const float a = (float)k[i] * scale[i] + zero[i];
+            const float b = (float)k[i + half] * scale[i + half] + zero[i + half];
+            out[i] = a * c[i] - b * s[i];
+            out[i + half] = b * c[i] + a * s[i];
+        }
+    }
+}
+
 /* ---------------------------------------------------------------- the exported kernels
  * For each: NAME, Q (the query's and the output's type) with LOAD_Q / STORE_Q (one element to and
  * from float), P (the pool's element type) with its CHUNK_SCORES and AXPY_CHUNK. */
@@ -355,12 +372,12 @@ DEFINE_AXPY_CHUNK(axpy_chunk_fp8, uint8_t, fp8_to_float)
 
 #define NAME paged_decode_f32_i8
 #define P int8_t
-#define CHUNK_SCORES chunk_scores_i8
 #define AXPY_CHUNK axpy_chunk_i8
+#define TURNED_KEYS
 #include "paged_decode_body.h"
+#undef TURNED_KEYS
 #undef NAME
 #undef P
-#undef CHUNK_SCORES
 #undef AXPY_CHUNK
 
 #define NAME paged_decode_f32_fp8
@@ -391,12 +408,12 @@ DEFINE_AXPY_CHUNK(axpy_chunk_fp8, uint8_t, fp8_to_float)
 
 #define NAME paged_decode_bf16_i8
 #define P int8_t
-#define CHUNK_SCORES chunk_scores_i8
 #define AXPY_CHUNK axpy_chunk_i8
+#define TURNED_KEYS
 #include "paged_decode_body.h"
+#undef TURNED_KEYS
 #undef NAME
 #undef P
-#undef CHUNK_SCORES
 #undef AXPY_CHUNK
 
 #define NAME paged_decode_bf16_fp8

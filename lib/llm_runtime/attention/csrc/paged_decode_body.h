@@ -3,7 +3,10 @@
  * NAME (the exported function), Q (the query's and the output's type) with LOAD_Q / STORE_Q (one
  * element to and from float), P (the pool's element type), CHUNK_SCORES (one head's scores for a
  * chunk of keys of P) and AXPY_CHUNK (a float row plus the weighted sum of a chunk of rows of P).
- * Accumulation is always float32.
+ * Accumulation is always float32. With TURNED_KEYS defined (an int8 pool, P int8_t), keys are stored
+ * turned back by the rotary embedding: the function takes the keys' and values' scales and zeros
+ * (KV, d) and the cosines and sines of every position (positions, d / 2), turns each chunk of keys
+ * before scoring, and writes the output in values (the weighted mean of stored values, scaled).
  *
  * One work item per query row b. It walks the row's block table CHUNK keys at a time. For every
  * chunk and KV head g, it computes the scores of the query heads that share g, then updates their
@@ -17,10 +20,19 @@ int NAME(const Q *query, int64_t q_row_stride, int64_t q_head_stride,
          const P *key_pool, const P *value_pool,
          const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
          const int64_t *rows, int64_t num_seqs, Q *out,
-         int num_heads, int num_kv_heads, int head_dim, int block_size, float scale) {
+         int num_heads, int num_kv_heads, int head_dim, int block_size, float scale
+#ifdef TURNED_KEYS
+         , const float *key_scale, const float *key_zero, const float *value_scale, const float *value_zero,
+         const float *turn_cos, const float *turn_sin
+#endif
+         ) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || block_size <= 0
         || (int64_t)num_heads * head_dim > MAX_STATE || num_heads > MAX_HEADS)
         return 1;
+#ifdef TURNED_KEYS
+    if (head_dim % 2 || head_dim > MAX_HEAD_DIM)
+        return 1;
+#endif
     const int group = num_heads / num_kv_heads;
     const int64_t slot_stride = (int64_t)num_kv_heads * head_dim;  /* one pool slot: every KV head */
     const int64_t head_bytes = head_dim * (int64_t)sizeof(P);  /* one KV head of one slot */
@@ -60,7 +72,19 @@ int NAME(const Q *query, int64_t q_row_stride, int64_t q_head_stride,
                 /* 1. Scores of this chunk, s = q . k, for each head of the group. */
                 for (int t = 0; t < n_ahead; t++)
                     prefetch_bytes(key_pool + ahead_slots[t] * slot_stride + (int64_t)g * head_dim, head_bytes);
+#ifdef TURNED_KEYS
+                /* int8 keys stored turned back: read, scaled and turned to their positions once per chunk and
+                   KV head, then scored as float32 keys by every head of the group. */
+                float turned[CHUNK][MAX_HEAD_DIM];
+                const float *turned_rows[CHUNK];
+                turn_keys(turned, keys, n, first, head_dim, key_scale + (int64_t)g * head_dim,
+                          key_zero + (int64_t)g * head_dim, turn_cos, turn_sin);
+                for (int t = 0; t < CHUNK; t++) turned_rows[t] = turned[t < n ? t : n - 1];
+                for (int h = h0; h < h0 + group; h++)
+                    chunk_scores_f32(scores[h], q + h * head_dim, turned_rows, n, head_dim);
+#else
                 for (int h = h0; h < h0 + group; h++) CHUNK_SCORES(scores[h], q + h * head_dim, keys, n, head_dim);
+#endif
                 /* 2. The online softmax: a new running maximum, what was summed under the old one
                       rescaled, and this chunk's weights p = exp(s - max) added to the running sum. */
                 for (int h = h0; h < h0 + group; h++) {
@@ -79,7 +103,12 @@ int NAME(const Q *query, int64_t q_row_stride, int64_t q_head_stride,
         for (int h = 0; h < num_heads; h++) {  /* out = numerator / denominator */
             Q *dst = out + (rows[b] * num_heads + h) * (int64_t)head_dim;
             const float inverse = running_sum[h] > 0.0f ? 1.0f / running_sum[h] : 0.0f;
+#ifdef TURNED_KEYS  /* the mean of stored values, in values: times the value scale plus its zero */
+            const float *vs = value_scale + (int64_t)(h / group) * head_dim, *vz = value_zero + (int64_t)(h / group) * head_dim;
+            for (int i = 0; i < head_dim; i++) dst[i] = STORE_Q(acc[h * head_dim + i] * inverse * vs[i] + vz[i]);
+#else
             for (int i = 0; i < head_dim; i++) dst[i] = STORE_Q(acc[h * head_dim + i] * inverse);
+#endif
         }
     }
     return 0;
