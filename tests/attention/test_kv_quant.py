@@ -10,7 +10,7 @@ import torch
 from llm_runtime.attention import AttentionMetadata, PagedAttentionStep, PagedKVCache, available_backends
 from llm_runtime.attention.causal import causal_attention
 from llm_runtime.attention.kv_cache import kv_block_bytes, num_blocks_in
-from llm_runtime.attention.kv_quant import ChannelScale, KeyTurns, KVQuantization, KVScales, compact_step
+from llm_runtime.attention.kv_quant import ChannelScale, KeyTurns, KVQuantization, KVScales, QuantizedPools, compact_step
 from llm_runtime.attention.selector import backend_class
 from llm_runtime.config import ModelConfig, RopeConfig
 from llm_runtime.model.rope import RotaryEmbedding, apply_rotary
@@ -78,9 +78,15 @@ def test_key_turns_are_the_models_rotary_embedding_and_turning_back_undoes_them(
     assert table_cos.shape == table_sin.shape == (3000, head_dim // 2) and table_cos.is_contiguous()
     assert torch.allclose(table_cos[positions[:5]], cos[0, :5, : head_dim // 2], atol=1e-6)
     assert turns.tables(10)[0] is table_cos  # held, not recomputed
+    with pytest.raises(ValueError, match="give its rope"):  # the angles its scales were measured with
+        PagedKVCache(1, 2, 2, 3, head_dim, dtype=torch.float32, device="cpu", kv_cache_dtype="int8",
+                     kv_scales=KVScales.uniform(1, 3, head_dim, 4.0))
+    with pytest.raises(ValueError, match="need the model's key_turns"):
+        QuantizedPools(KVQuantization.of("int8", torch.float32), torch.zeros(1, dtype=torch.int8),
+                       torch.zeros(1, dtype=torch.int8), None, None)
     with pytest.raises(ValueError, match="give the keys' positions"):
         PagedKVCache(1, 2, 2, 3, head_dim, dtype=torch.float32, device="cpu", kv_cache_dtype="int8",
-                     kv_scales=KVScales.uniform(1, 3, head_dim, 4.0)).write(0, torch.tensor([0]), x[0, :, :1].transpose(0, 1),
+                     kv_scales=KVScales.uniform(1, 3, head_dim, 4.0), rope=rope).write(0, torch.tensor([0]), x[0, :, :1].transpose(0, 1),
                                                                             x[0, :, :1].transpose(0, 1))
 
 
@@ -112,7 +118,7 @@ def test_a_quantized_pool_holds_four_times_the_tokens_of_a_float32_one() -> None
 
 def test_write_skips_padding_and_copy_on_write_copies_blocks() -> None:
     cache = PagedKVCache(1, 4, 2, 1, 8, dtype=torch.float32, device="cpu", kv_cache_dtype="int8",
-                         kv_scales=KVScales.uniform(1, 1, 8, 24.0))
+                         kv_scales=KVScales.uniform(1, 1, 8, 24.0), rope=RopeConfig())
     k = torch.arange(24, dtype=torch.float32).view(3, 1, 8)
     cache.write(0, torch.tensor([1, -1, 6]), k, -k, positions=torch.tensor([1, 0, 0]))
     keys, values = cache.read_blocks(0, torch.arange(4), block_starts=torch.tensor([0, 2, 4, 0]))  # (4, 2, 1, 8)
@@ -171,7 +177,7 @@ def test_every_backend_reads_the_quantized_pool(backend: str, kv_cache_dtype: st
         spans = [ChannelScale.spanning(x.amin(0), x.amax(0)) for x in (every_key, every_value)]
         scales = KVScales((spans[0],), (spans[1],))
     cache = PagedKVCache(1, len(order), BLOCK_SIZE, num_kv_heads, head_dim, dtype=torch.float32, device="cpu",
-                         kv_cache_dtype=kv_cache_dtype, kv_scales=scales)
+                         kv_cache_dtype=kv_cache_dtype, kv_scales=scales, rope=RopeConfig(theta=100.0))  # turns fast
     history = AttentionMetadata.build(tables, [0] * len(lengths), contexts, block_size=BLOCK_SIZE, device="cpu")
     cache.write(0, history.slot_mapping, torch.cat([k[:c] for k, c in zip(keys, contexts)]),
                 torch.cat([v[:c] for v, c in zip(values, contexts)]), history.token_positions())

@@ -103,8 +103,8 @@ class AttentionBackend(ABC):
                           plan: Any) -> torch.Tensor:
         """As `forward`, over a layer's 8-bit pools as stored (only where `reads_quantized_kv`). key and value
         (N, KV, d) are this step's, already stored, in full precision: a backend that reads them instead of
-        the pool rounds them as stored first (`pools.quantization.round_trip`), so that every row sees the
-        same keys whichever path serves it."""
+        the pool rounds them as stored first (`pools.stored_as`, with the step's positions for int8's keys,
+        which its plan can hold), so that every row sees the same keys whichever path serves it."""
         raise NotImplementedError(f"the {self.name} backend does not read quantized pools in place")
 
 

@@ -18,9 +18,9 @@ go into the pool by a C call too (`csrc/store_kv.c`).
 
 An 8-bit pool (`kv_cache_dtype` "int8" or "fp8", kv_quant.py) is read where it lies too
 (`forward_quantized`): the kernel converts each stored element to float32 as it loads it (int8's
-keys scaled and turned to their positions a chunk at a time, the values' scales folded into the
-output around the call), so the rows it serves need no full-precision copy of their blocks. Long prefill chunks stay block-wise over a copy of the
-blocks their cached prefixes read, and only those (`QuantizedPrefills`).
+keys scaled and turned to their positions a chunk at a time, its output scaled into values), so
+the rows it serves need no full-precision copy of their blocks. Long prefill chunks stay block-wise
+over a copy of the blocks their cached prefixes read, and only those (`QuantizedPrefills`).
 
 Available on the CPU in float32 and bfloat16 when a C compiler builds the kernel; otherwise the
 engine falls back to `blockwise`.
@@ -210,7 +210,7 @@ def quantized_prefills(prefills: list[PrefillChunk], metadata: AttentionMetadata
     compact = [replace(chunk, prefix_tiles=[(torch.tensor([index[b] for b in blocks.tolist()], device=device), keys)
                                             for blocks, keys in chunk.prefix_tiles])
                for chunk in prefills]
-    starts = metadata.block_starts()
+    starts = metadata.block_starts() if used else {}  # the blocks' positions and the rows': only where chunks are
     return QuantizedPrefills(torch.tensor(used, dtype=torch.int64, device=device), compact,
                              torch.tensor([starts[b] for b in used], dtype=torch.int64, device=device),
                              metadata.token_positions() if prefills else None)

@@ -141,9 +141,12 @@ class PagedKVCache:
         elif kv_scales is not None:
             raise ValueError(f"a {kv_cache_dtype!r} pool takes no kv_scales")
         self.kv_scales = None if kv_scales is None else kv_scales.to(device)
-        # int8 keys are stored turned back by the rotary embedding (kv_quant.py). Turning back and forth by
-        # any angles gives the same keys; the model's own (`rope`) are the ones its scales were measured with.
-        self.key_turns = KeyTurns.of(rope or RopeConfig(), head_dim, device) if quantization.turns_keys else None
+        # int8 keys are stored turned back by the model's rotary embedding (kv_quant.py): by the angles its
+        # scales were measured with, so that one range holds at every position.
+        if quantization.turns_keys and rope is None:
+            raise ValueError("an int8 pool stores keys turned back by the model's rotary embedding: give its "
+                             "rope (PagedKVCache.for_model does)")
+        self.key_turns = KeyTurns.of(rope, head_dim, device) if rope is not None and quantization.turns_keys else None
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=quantization.storage, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=quantization.storage, device=device) for _ in range(num_layers)]

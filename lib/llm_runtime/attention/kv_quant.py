@@ -209,6 +209,10 @@ class QuantizedPools:
     value_scale: ChannelScale | None
     key_turns: KeyTurns | None = None  # int8's: keys are stored turned back by their positions' angles
 
+    def __post_init__(self) -> None:
+        if self.quantization.turns_keys and self.key_turns is None:
+            raise ValueError(f"{self.quantization.name} pools store keys turned back: they need the model's key_turns")
+
     def store(self, key: torch.Tensor, value: torch.Tensor,
               positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """key, value (N, KV, d) at `positions` (N,) (needed where keys are turned) -> as the pools hold them."""

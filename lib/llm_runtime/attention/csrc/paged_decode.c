@@ -87,7 +87,7 @@ static inline float fp8_to_float(uint8_t x) {
     return v.f;
 }
 
-static inline float int8_to_float(int8_t x) { return (float)x; }  /* scale and zero: folded in by the caller */
+static inline float int8_to_float(int8_t x) { return (float)x; }  /* scale and zero: applied around it */
 static inline float f32_to_float(float x) { return x; }
 
 /* slots[t] for positions first .. first + n - 1 of a sequence: pool slot = block * block_size + offset. */
