@@ -100,10 +100,7 @@ class CpuKernelBackend(BlockwiseBackend):
         query_lens = torch.tensor(metadata.query_lens_host, dtype=torch.long)  # (B,)
         seq_of_row = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens)  # (N,)
         rows = torch.arange(metadata.num_tokens, dtype=torch.long)
-        starts = metadata.query_start_loc.cpu().long()[:-1]  # (B,) first row of each sequence
-        seq_lens = metadata.seq_lens.cpu().long()  # (B,)
-        # Row r of sequence b sits at position seq_lens[b] - query_lens[b] + (r - starts[b]) and sees keys 0 .. position.
-        positions = (seq_lens - query_lens)[seq_of_row] + rows - starts[seq_of_row]
+        positions = metadata.token_positions().cpu()  # (N,): each row sees keys 0 .. its position
         keep = query_lens[seq_of_row] <= self.kernel_max_rows  # (N,): the rows not left to the block-wise path
         if not bool(keep.all()):
             rows, positions, seq_of_row = rows[keep], positions[keep], seq_of_row[keep]

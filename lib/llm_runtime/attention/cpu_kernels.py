@@ -165,9 +165,14 @@ def paged_decode_quantized(
     if key_turns.inv_freq.shape != (head_dim // 2,):
         raise ValueError(f"key_turns for heads of {2 * key_turns.inv_freq.shape[0]}, pools of {head_dim}")
     cos, sin = key_turns.tables(int(seq_lens.max()) if seq_lens.numel() else 0)  # (P, d/2) each
-    scales = [t.float().contiguous() for t in (key_scale.scale, key_scale.zero, value_scale.scale, value_scale.zero)]
     _paged_decode(symbol, query, key_pool, value_pool, block_tables, seq_lens, rows, out, indices_checked,
-                  (*scales, cos, sin))
+                  (*_scale_tables(key_scale, value_scale), cos, sin))
+
+
+def _scale_tables(key_scale: ChannelScale, value_scale: ChannelScale) -> list[torch.Tensor]:
+    """An int8 pool's scales and zeros as the C code reads them: key scale, key zero, value scale, value zero,
+    each (KV, d) float32 and contiguous."""
+    return [t.float().contiguous() for t in (key_scale.scale, key_scale.zero, value_scale.scale, value_scale.zero)]
 
 
 def _paged_decode(symbol: str, query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
@@ -278,12 +283,11 @@ def store_kv_int8(pools: QuantizedPools, slot_mapping: torch.Tensor, key: torch.
     if turns.inv_freq.shape != (head_dim // 2,):
         raise ValueError(f"key_turns for heads of {2 * turns.inv_freq.shape[0]}, pools of {head_dim}")
     cos, sin = turns.tables(int(positions.max()) + 1 if num_rows else 0)  # (P, d/2) each
-    extras = [t.float().contiguous() for t in (key_scale.scale, key_scale.zero, value_scale.scale, value_scale.zero)]
     status = getattr(load_library(), symbol)(
         key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0), value.stride(1),
         slot_mapping.data_ptr(), positions.data_ptr(), num_rows, pools.key_pool.data_ptr(),
         pools.value_pool.data_ptr(), pools.key_pool.shape[0] * pools.key_pool.shape[1], num_kv_heads, head_dim,
-        *(t.data_ptr() for t in extras), cos.data_ptr(), sin.data_ptr(), cos.shape[0])
+        *(t.data_ptr() for t in _scale_tables(key_scale, value_scale)), cos.data_ptr(), sin.data_ptr(), cos.shape[0])
     if status == 2:
         raise ValueError(f"the C int8 store turns pairs of channels: head_dim must be even, got {head_dim}")
     if status != 0:
