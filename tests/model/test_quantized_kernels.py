@@ -1,7 +1,7 @@
 """The C kernels for quantized weights (`model/quantized_kernels.py`): PyTorch's int4 packing read back
-exactly (a full block of 64 rows and a tail, every group size), the Q8_0 product and tiles equal to the
-float weights', the layers equal with and without the kernels, every build (AVX-512, AVX2, plain C),
-and the guards."""
+exactly (a full block of 64 rows and a tail, every group size), the int4 product in 16-bit integers within
+its error bound, the Q8_0 product and tiles equal to the float weights', the layers equal with and without
+the kernels, every build (AVX-512, AVX2, plain C), and the guards."""
 
 from __future__ import annotations
 
@@ -10,11 +10,22 @@ import torch
 
 from llm_runtime.model import quantized_kernels
 from llm_runtime.model.quantized_embedding import Q8Head, Q8Table
-from llm_runtime.model.quantized_kernels import int4_dequantize_t, q8_dequantize, q8_matmul
+from llm_runtime.model.quantized_kernels import int4_dequantize_t, int4_matmul, q8_dequantize, q8_matmul
 from llm_runtime.model.quantized_linear import DENSE_ROWS, Int4Linear, _dense_here, dequantize_int4, quantize_int4
 
 pytestmark = pytest.mark.skipif(quantized_kernels.kernels_unavailable_reason() is not None,
                                 reason="the quantized C kernels do not build here")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return {flag for line in cpuinfo if line.startswith("flags") for flag in line.split(":")[1].split()}
+    except OSError:
+        return set()
+
+
+HAS_VNNI = {"avx512_vnni", "avx512vbmi", "avx512bw"} <= _cpu_flags()  # what int4_matmul's fast build needs
 
 
 def _packed_layer(rows: int, columns: int, group: int, dtype: torch.dtype, seed: int = 0):
@@ -50,6 +61,65 @@ def test_an_int4_layer_is_the_same_product_on_either_side_of_dense_rows(dtype: t
         assert _dense_here(x, layer.packed) == (num_rows > DENSE_ROWS or dtype == torch.float32)
         tolerance = 1e-4 if dtype == torch.float32 else 2e-2 * float(expected.abs().max())
         assert (layer(x).float() - expected).abs().max() < tolerance, num_rows
+
+
+def _wide_rows(num_rows: int, columns: int, group: int, seed: int) -> torch.Tensor:
+    """Rows whose groups span a wide range: each value times 2^u, u uniform in -20..3, so most groups hold
+    values far below 2^-7 of their largest (the ones the 16-bit integers round)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_rows, columns, generator=gen) * 2.0 ** torch.randint(-20, 4, (num_rows, columns), generator=gen)
+    return x.bfloat16()
+
+
+def _int16_bound(x: torch.Tensor, weight: torch.Tensor, group: int, exact: torch.Tensor) -> torch.Tensor:
+    """What int4_matmul may differ from the exact product by: each x rounded to 2^-15 of its group's largest
+    |x| (at most), then the result once to bfloat16 (2^-8 of it), and float32's sums."""
+    largest = x.double().abs().view(x.shape[0], -1, group).amax(dim=2).repeat_interleave(group, dim=1)  # (M, K)
+    return 2.0**-15 * (largest @ weight.double().abs().t()) + 2.0**-8 * exact.abs() + 1e-30
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="the 16-bit integer int4 kernel needs AVX-512 VNNI and VBMI")
+@pytest.mark.parametrize(("rows", "columns", "group"), [(64, 64, 32), (960, 576, 32), (128, 512, 64),
+                                                        (192, 512, 128), (64, 512, 256)])
+def test_the_int4_product_in_16_bit_integers_is_within_its_bound(rows: int, columns: int, group: int) -> None:
+    layer, weight = _packed_layer(rows, columns, group, torch.bfloat16, seed=rows)
+    for num_rows in (1, 2, 3, 4, 5, 9, 32):  # whole and partial tiles of the kernel's 4 rows
+        x = _wide_rows(num_rows, columns, group, seed=num_rows)
+        out = int4_matmul(x, layer.packed, group, layer.scales_and_zeros)
+        assert out is not None and out.shape == (num_rows, rows) and out.dtype == torch.bfloat16
+        exact = x.double() @ weight.double().t()
+        assert ((out.double() - exact).abs() <= _int16_bound(x, weight, group, exact)).all(), num_rows
+        pytorchs = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, group, layer.scales_and_zeros)
+        assert (out.double() - exact).abs().max() <= 2 * (pytorchs.double() - exact).abs().max() + 1e-30
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="the 16-bit integer int4 kernel needs AVX-512 VNNI and VBMI")
+def test_values_near_their_groups_largest_are_exact_in_16_bit_integers() -> None:
+    """Every group's values within 2^7 of its largest: the integers hold them exactly, so the product is the
+    exact one rounded once to bfloat16 (and float32's sum over groups)."""
+    layer, weight = _packed_layer(128, 256, 32, torch.bfloat16, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    magnitude = (1 + 127 * torch.rand(4, 256, generator=gen)) * 2.0 ** torch.randint(-8, 8, (4, 8), generator=gen
+                                                                                      ).repeat_interleave(32, dim=1)
+    x = (magnitude * torch.randn(4, 256, generator=gen).sign()).bfloat16()
+    out = int4_matmul(x, layer.packed, 32, layer.scales_and_zeros).double()
+    exact = x.double() @ weight.double().t()
+    torch.testing.assert_close(out, exact.bfloat16().double(), rtol=2**-8, atol=0)
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="the 16-bit integer int4 kernel needs AVX-512 VNNI and VBMI")
+def test_the_int4_product_keeps_nan_and_refuses_what_it_does_not_handle() -> None:
+    layer, _ = _packed_layer(128, 128, 32, torch.bfloat16)
+    x = torch.randn(3, 128).bfloat16()
+    x[1, 70] = float("nan")
+    out = int4_matmul(x, layer.packed, 32, layer.scales_and_zeros)
+    assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+    assert int4_matmul(x.float(), layer.packed, 32, layer.scales_and_zeros.float()) is None  # float32: dense
+    assert int4_matmul(torch.randn(256, 3).bfloat16().t(), layer.packed, 32, layer.scales_and_zeros) is None
+    tail, _ = _packed_layer(80, 128, 32, torch.bfloat16)  # a block of 64 rows and a tail of 16
+    assert int4_matmul(x, tail.packed, 32, tail.scales_and_zeros) is None
+    with pytest.raises(ValueError, match="must match rows"):
+        int4_matmul(torch.randn(1, 64).bfloat16(), layer.packed, 32, layer.scales_and_zeros)
 
 
 def test_without_the_kernels_the_layers_keep_pytorchs(monkeypatch) -> None:
@@ -111,6 +181,8 @@ def test_the_avx2_and_plain_c_builds_give_the_same_results(monkeypatch, tmp_path
         torch.testing.assert_close(read, weight, rtol=1e-6, atol=1e-6)
         assert (q8_matmul(x, table.q, table.d) - x @ table_weight.t()).abs().max() < 1e-4
         assert torch.equal(q8_dequantize(table.q, table.d, 0, 300), table_weight)
+        wide, _ = _packed_layer(64, 128, 32, torch.bfloat16)  # no VNNI in these builds: PyTorch's kernel
+        assert int4_matmul(torch.randn(2, 128).bfloat16(), wide.packed, 32, wide.scales_and_zeros) is None
     finally:
         quantized_kernels.load_library.cache_clear()
 
@@ -152,11 +224,12 @@ def test_the_operators_for_compiled_graphs_are_the_layers_products(num_rows: int
     from llm_runtime.model.quantized_embedding import q8_matmul_t, q8_product
     from llm_runtime.model.quantized_linear import int4_matmul, int4_product
 
-    layer, _ = _packed_layer(80, 128, 32, torch.bfloat16)
     x = torch.randn(num_rows, 128).bfloat16()
-    args = (x, layer.packed, 32, layer.scales_and_zeros)
-    assert torch.equal(int4_matmul(*args), int4_product(*args))
-    torch.library.opcheck(int4_matmul, args)
+    for rows in (80, 128):  # with a tail of rows (PyTorch's kernel at one row), whole blocks (this package's)
+        layer, _ = _packed_layer(rows, 128, 32, torch.bfloat16)
+        args = (x, layer.packed, 32, layer.scales_and_zeros)
+        assert torch.equal(int4_matmul(*args), int4_product(*args))
+        torch.library.opcheck(int4_matmul, args)
     table, _ = _q8_table(300, 64, torch.bfloat16)
     args = (x[:, :64].contiguous(), table.q, table.d)
     assert torch.equal(q8_matmul_t(*args), q8_product(*args))

@@ -35,9 +35,10 @@ def _int4_layer(rows: int, columns: int, dtype: torch.dtype) -> Int4Linear:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("num_rows", [1, 32, 33])  # PyTorch's kernel up to DENSE_ROWS, then the dense product
-def test_the_cpp_int4_product_is_the_python_one(dtype: torch.dtype, num_rows: int) -> None:
-    layer = _int4_layer(80, 128, dtype)
+@pytest.mark.parametrize("num_rows", [1, 32, 33])  # an int4 kernel up to DENSE_ROWS, then the dense product
+@pytest.mark.parametrize("layer_rows", [80, 128])  # a tail of rows (PyTorch's kernel), whole blocks (this package's)
+def test_the_cpp_int4_product_is_the_python_one(dtype: torch.dtype, num_rows: int, layer_rows: int) -> None:
+    layer = _int4_layer(layer_rows, 128, dtype)
     rows = torch.randn(num_rows, 128).to(dtype)
     arguments = (rows, layer.packed, layer.group_size, layer.scales_and_zeros)
     assert torch.equal(_native("int4_matmul")(*arguments), int4_product(*arguments))

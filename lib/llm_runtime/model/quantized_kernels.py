@@ -1,16 +1,21 @@
 """This package's C kernels for quantized weights on the CPU (`csrc/quantized_matmul.c`), called with ctypes.
 
-Two things PyTorch's own quantized kernels do not do well here (the C file has the measurements):
+Three things PyTorch's own quantized kernels do not do well here (the C file has the measurements):
 
-- **int4 at many rows.** `torch._weight_int4pack_mm_for_cpu` is the fastest product at a few rows, but at
-  64 rows and more a dense bfloat16 product beats it by up to 3x (and in float32 it is slow at any
-  size). `int4_dequantize_t` turns a layer's packed weight back into W^T in the compute dtype, reading
+- **int4 at many rows.** `torch._weight_int4pack_mm_for_cpu` is made for a few rows: at 64 rows and more
+  a dense bfloat16 product beats it by up to 3x (and in float32 it is slow at any size). `int4_dequantize_t` turns a layer's packed weight back into W^T in the compute dtype, reading
   PyTorch's own packing, so no second copy of the weight is kept, and the dense product does the rest.
   The packing is PyTorch's internal layout: `int4_layout_matches` checks it against PyTorch's packer on
   first use, and the layers keep PyTorch's kernel where it differs.
 - **the Q8_0 table.** PyTorch's int8 kernel takes one scale per output row, and Q8_0 has one per 32
   columns: `q8_matmul` reads the block-major table (`quantized_embedding.py`) with its scales in one
   pass, and `q8_dequantize` turns a tile of its rows back into the compute dtype.
+- **int4 at a few rows, in bfloat16.** Even there PyTorch's kernel spends more time turning 4-bit values
+  into floats than multiplying them. `int4_matmul` multiplies them as 16-bit integers (AVX-512 VNNI), the
+  activations turned into 16-bit integers per group with a power-of-two step, reading PyTorch's packing:
+  1.3x PyTorch's kernel over the bundled model's layers at one row, 1.5-1.9x at 32 rows (the C file has
+  the numbers and the error bound). It returns None where it does not apply (float32, a tail of rows
+  short of a block of 64, a CPU or build without VNNI), and the caller keeps PyTorch's kernel.
 
 The library is built on first use and cached (`native/build.py`); without a C compiler, `kernels_unavailable_reason`
 says why and the layers keep PyTorch's kernels.
@@ -37,15 +42,19 @@ _ARGTYPES = {
 }
 
 
+# x, x_stride, M, packed, scales_and_zeros, N, K, group, out: bfloat16 only
+_INT4_MATMUL_ARGTYPES = [_P, _I, _I, _P, _P, _I, _I, _I, _P]
+
+
 @functools.cache
 def load_library() -> ctypes.CDLL:
     """The compiled library (built on first call, then cached on disk and in this process)."""
     library = build_library("quantized_matmul", SOURCE_DIR, SOURCES, SOURCES, FLAG_SETS)
-    for name, argtypes in _ARGTYPES.items():
-        for suffix in SUFFIX.values():
-            function = getattr(library, f"{name}_{suffix}")
-            function.restype = ctypes.c_int
-            function.argtypes = argtypes
+    functions = [(getattr(library, f"{name}_{suffix}"), argtypes)
+                 for name, argtypes in _ARGTYPES.items() for suffix in SUFFIX.values()]
+    for function, argtypes in [*functions, (library.int4_matmul_bf16, _INT4_MATMUL_ARGTYPES)]:
+        function.restype = ctypes.c_int
+        function.argtypes = argtypes
     return library
 
 
@@ -91,6 +100,26 @@ def int4_dequantize_t(packed: torch.Tensor, scales_and_zeros: torch.Tensor, in_f
     if status != 0:
         raise ValueError(f"the int4 kernel refused K={in_features}, group {group_size} (a multiple of 32 dividing K)")
     return out
+
+
+def int4_matmul(rows: torch.Tensor, packed: torch.Tensor, group_size: int,
+                scales_and_zeros: torch.Tensor) -> torch.Tensor | None:
+    """rows (M, K) @ W^T -> (M, N) in bfloat16 for a weight in PyTorch's CPU int4 packing (as
+    `int4_dequantize_t`), by this package's 16-bit integer kernel; None where it does not apply (rows or
+    scales not bfloat16, N not a multiple of 64, a group size it does not take, a build without AVX-512
+    VNNI): then PyTorch's kernel is the one to call."""
+    num_rows, in_features = rows.shape
+    if rows.dtype != torch.bfloat16 or scales_and_zeros.dtype != torch.bfloat16 or rows.stride(1) != 1:
+        return None
+    if packed.shape != (packed.shape[0], in_features // 2) or scales_and_zeros.shape[1] != packed.shape[0]:
+        raise ValueError(f"packed (N, {in_features // 2}) and scales_and_zeros (G, N, 2) must match rows "
+                         f"(M, {in_features}), got {tuple(packed.shape)} and {tuple(scales_and_zeros.shape)}")
+    _check_cpu_contiguous(packed=packed, scales_and_zeros=scales_and_zeros)
+    out = torch.empty(num_rows, packed.shape[0], dtype=torch.bfloat16)  # (M, N)
+    status = load_library().int4_matmul_bf16(rows.data_ptr(), rows.stride(0), num_rows, packed.data_ptr(),
+                                             scales_and_zeros.data_ptr(), packed.shape[0], in_features, group_size,
+                                             out.data_ptr())
+    return out if status == 0 else None
 
 
 def q8_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:

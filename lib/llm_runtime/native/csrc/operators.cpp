@@ -44,6 +44,8 @@ int int4_dequantize_t_f32(const uint8_t *packed, const float *scales_and_zeros, 
                           int64_t group, float *out);
 int int4_dequantize_t_bf16(const uint8_t *packed, const uint16_t *scales_and_zeros, int64_t N, int64_t K,
                            int64_t group, uint16_t *out);
+int int4_matmul_bf16(const uint16_t *x, int64_t x_stride, int64_t M, const uint8_t *packed,
+                     const uint16_t *scales_and_zeros, int64_t N, int64_t K, int64_t group, uint16_t *out);
 }
 
 namespace {
@@ -81,6 +83,18 @@ at::Tensor int4_matmul(const at::Tensor &rows, const at::Tensor &packed, int64_t
                        const at::Tensor &scales_and_zeros) {
     if (rows.size(0) > DENSE_ROWS || rows.scalar_type() == at::kFloat)  // the weight back, then a dense product
         return at::mm(rows, int4_dequantize_t(packed, scales_and_zeros, rows.size(1), group_size));
+    // This package's kernel where it applies (quantized_kernels.int4_matmul), else PyTorch's.
+    const int64_t N = packed.size(0), K = rows.size(1);
+    if (rows.scalar_type() == at::kBFloat16 && scales_and_zeros.scalar_type() == at::kBFloat16 && rows.dim() == 2
+        && rows.stride(1) == 1 && packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.size(1) * 2 == K
+        && packed.is_contiguous() && scales_and_zeros.dim() == 3 && scales_and_zeros.size(1) == N
+        && scales_and_zeros.is_contiguous()) {
+        at::Tensor out = at::empty({rows.size(0), N}, rows.options());  // (M, N)
+        if (int4_matmul_bf16(static_cast<const uint16_t *>(rows.data_ptr()), rows.stride(0), rows.size(0),
+                             packed.data_ptr<uint8_t>(), static_cast<const uint16_t *>(scales_and_zeros.data_ptr()),
+                             N, K, group_size, static_cast<uint16_t *>(out.data_ptr())) == 0)
+            return out;
+    }
     return at::_weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_and_zeros);
 }
 
