@@ -1,8 +1,9 @@
 """Every attention backend the CPU can run gives each request exactly its tokens when run alone.
 
 The engine with each backend (float64 tiny models) under continuous batching with chunked prefill,
-paging with prefix hits and forks (n > 1, copy-on-write), and memory pressure (preemption); then
-how a backend is chosen: by name, by the environment variable, automatically, and refused.
+paging with prefix hits and forks (n > 1, copy-on-write), and memory pressure (preemption); the same in
+bfloat16, where what is checked is the engine's bookkeeping; then how a backend is chosen: by name, by the
+environment variable, automatically, and refused.
 """
 
 from __future__ import annotations
@@ -59,6 +60,36 @@ def test_prefix_hits_forks_and_preemption(tiny_pairs, backend: str) -> None:
     stats = engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
     assert_no_leak(engine)
+
+
+# Triton's kernels run under its interpreter on a CPU, minutes for this workload: test_triton_attention.py has them.
+CPU_BACKENDS_BFLOAT16 = [name for name, reason in available_backends("cpu", torch.bfloat16).items()
+                         if reason is None and name != "triton"]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS_BFLOAT16)
+def test_a_bfloat16_engine_under_prefix_hits_forks_and_preemption(tiny_pairs, backend: str) -> None:
+    """In bfloat16 (what a GPU runs) a request's tokens depend on the rows it was batched with, so they are not
+    compared with a run alone; what must hold is the engine's: every completion of every request, every block
+    back, and the same schedule giving the same tokens twice. (The lessons' bfloat16 pass leaves the scheduling
+    lessons out on the strength of this test: their token checks run on float32 copies.)"""
+    model = copy.deepcopy(tiny_pairs["qwen3"][0]).bfloat16()
+    workload = shared_prefix_workload(model.config.vocab_size, num_requests=24, seed=2)
+    need = blocks_unconstrained(workload)
+    largest = max(-(-(len(prompt) + p.max_tokens) // BLOCK_SIZE) for prompt, p in workload)
+    runs = []
+    for _ in range(2):
+        engine = LLMEngine(model, None, EngineConfig(
+            max_num_seqs=16, max_num_batched_tokens=128, block_size=BLOCK_SIZE,
+            num_kv_blocks=max(need * 15 // 100, largest), enable_prefix_caching=True, attention_backend=backend))
+        runs.append(run_all(engine, workload, arrive_every=1))
+        stats = engine.stats()
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
+        assert_no_leak(engine)
+    for i, (_, params) in enumerate(workload):
+        completions = runs[0][str(i)]
+        assert len(completions) == params.n and all(len(c) == params.max_tokens for c in completions), f"request {i}"
+    assert runs[0] == runs[1]
 
 
 def test_backend_by_environment_variable_and_automatic_choice(tiny_pairs, monkeypatch) -> None:

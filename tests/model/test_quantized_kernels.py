@@ -120,6 +120,8 @@ def test_the_int4_product_keeps_nan_and_refuses_what_it_does_not_handle() -> Non
     assert int4_matmul(x, tail.packed, 32, tail.scales_and_zeros) is None
     with pytest.raises(ValueError, match="must match rows"):
         int4_matmul(torch.randn(1, 64).bfloat16(), layer.packed, 32, layer.scales_and_zeros)
+    with pytest.raises(ValueError, match="must match rows"):  # scales of groups of 32 read as groups of 64
+        int4_matmul(x, layer.packed, 64, layer.scales_and_zeros)
 
 
 def test_without_the_kernels_the_layers_keep_pytorchs(monkeypatch) -> None:

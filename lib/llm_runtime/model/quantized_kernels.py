@@ -3,8 +3,9 @@
 Three things PyTorch's own quantized kernels do not do well here (the C file has the measurements):
 
 - **int4 at many rows.** `torch._weight_int4pack_mm_for_cpu` is made for a few rows: at 64 rows and more
-  a dense bfloat16 product beats it by up to 3x (and in float32 it is slow at any size). `int4_dequantize_t` turns a layer's packed weight back into W^T in the compute dtype, reading
-  PyTorch's own packing, so no second copy of the weight is kept, and the dense product does the rest.
+  a dense bfloat16 product beats it by up to 3x (and in float32 it is slow at any size).
+  `int4_dequantize_t` turns a layer's packed weight back into W^T in the compute dtype, reading PyTorch's
+  own packing, so no second copy of the weight is kept, and the dense product does the rest.
   The packing is PyTorch's internal layout: `int4_layout_matches` checks it against PyTorch's packer on
   first use, and the layers keep PyTorch's kernel where it differs.
 - **the Q8_0 table.** PyTorch's int8 kernel takes one scale per output row, and Q8_0 has one per 32
@@ -111,9 +112,14 @@ def int4_matmul(rows: torch.Tensor, packed: torch.Tensor, group_size: int,
     num_rows, in_features = rows.shape
     if rows.dtype != torch.bfloat16 or scales_and_zeros.dtype != torch.bfloat16 or rows.stride(1) != 1:
         return None
-    if packed.shape != (packed.shape[0], in_features // 2) or scales_and_zeros.shape[1] != packed.shape[0]:
-        raise ValueError(f"packed (N, {in_features // 2}) and scales_and_zeros (G, N, 2) must match rows "
-                         f"(M, {in_features}), got {tuple(packed.shape)} and {tuple(scales_and_zeros.shape)}")
+    expected = (in_features // group_size, packed.shape[0], 2) if group_size > 0 else None
+    if (packed.shape != (packed.shape[0], in_features // 2) or scales_and_zeros.shape != expected
+            or in_features % group_size):
+        raise ValueError(f"packed (N, {in_features // 2}) and scales_and_zeros (K / group, N, 2) must match rows "
+                         f"(M, {in_features}) and group {group_size}, got {tuple(packed.shape)} and "
+                         f"{tuple(scales_and_zeros.shape)}")
+    if rows.device.type != "cpu":
+        raise ValueError(f"rows must be on the CPU, got {rows.device}")
     _check_cpu_contiguous(packed=packed, scales_and_zeros=scales_and_zeros)
     out = torch.empty(num_rows, packed.shape[0], dtype=torch.bfloat16)  # (M, N)
     status = load_library().int4_matmul_bf16(rows.data_ptr(), rows.stride(0), num_rows, packed.data_ptr(),

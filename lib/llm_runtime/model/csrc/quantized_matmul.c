@@ -4,10 +4,9 @@
  * At one row a product reads every weight once and does two flops with each: the Q8_0 product below
  * turns each stored weight into a float in registers, the int4 product multiplies the 4-bit values as
  * 16-bit integers, and the memory stays the bottleneck. At many rows (a prefill, a large decode batch)
- * the arithmetic dominates instead, and
- * PyTorch's quantized kernels lose to its dense product (oneDNN, bfloat16 dot instructions) by up to
- * 3x here: so at many rows the weights are turned back into the compute dtype first, once per call,
- * and the dense product multiplies them. Turning 1.8 M weights back costs about a tenth of the
+ * the arithmetic dominates instead, and PyTorch's quantized kernels lose to its dense product (oneDNN,
+ * bfloat16 dot instructions) by up to 3x here: so at many rows the weights are turned back into the
+ * compute dtype first, once per call, and the dense product multiplies them. Turning 1.8 M weights back costs about a tenth of the
  * product it feeds at 256 rows.
  *
  * Two weight formats:
@@ -172,8 +171,8 @@ static inline void q8_row(const float *x, int m, const int8_t *q, const float *d
  *   - a group's sum over k of q * t is exact in 32 bits (at most 256 * 15 * 32767 < 2^31), and becomes
  *     out += (scale * step) * sum + (zero - 8 scale) * (the group's sum of x), in float32.
  *
- * At one row on the 2-core CI machine, the bundled model's 120 int4 layers in turn (66 MB, read from the
- * cache each time) took 4.3-5.1 ms against PyTorch's 5.7-6.8 ms (1.32x, three runs), and a program that
+ * At one row on the 2-core CI machine, the bundled model's 120 int4 layers in turn (66 MB, after 40 MB of
+ * other reads each time) took 4.3-5.1 ms against PyTorch's 5.7-6.8 ms (1.32x, three runs), and a program that
  * only reads the same bytes 3.4-3.9 ms: the kernel is near what the memory delivers, which is why it
  * prefetches the packed weights PREFETCH_COLUMNS columns ahead and each group's scales two groups ahead.
  * With the same weights in the cache, up to 32 rows: 1.2-2x PyTorch's kernel.

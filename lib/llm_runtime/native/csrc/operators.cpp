@@ -87,8 +87,9 @@ at::Tensor int4_matmul(const at::Tensor &rows, const at::Tensor &packed, int64_t
     const int64_t N = packed.size(0), K = rows.size(1);
     if (rows.scalar_type() == at::kBFloat16 && scales_and_zeros.scalar_type() == at::kBFloat16 && rows.dim() == 2
         && rows.stride(1) == 1 && packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.size(1) * 2 == K
-        && packed.is_contiguous() && scales_and_zeros.dim() == 3 && scales_and_zeros.size(1) == N
-        && scales_and_zeros.is_contiguous()) {
+        && packed.is_contiguous() && group_size > 0 && K % group_size == 0 && scales_and_zeros.dim() == 3
+        && scales_and_zeros.size(0) == K / group_size && scales_and_zeros.size(1) == N
+        && scales_and_zeros.size(2) == 2 && scales_and_zeros.is_contiguous()) {
         at::Tensor out = at::empty({rows.size(0), N}, rows.options());  // (M, N)
         if (int4_matmul_bf16(static_cast<const uint16_t *>(rows.data_ptr()), rows.stride(0), rows.size(0),
                              packed.data_ptr<uint8_t>(), static_cast<const uint16_t *>(scales_and_zeros.data_ptr()),
