@@ -42,10 +42,12 @@ lab: $(STAMP)
 # dtypes itself (LLM_RUNTIME_DTYPE does not apply to it); and lesson 14, which checks its tokens on a float32
 # copy and times the CPU's default (tests/engine/test_speculative_decoding.py runs speculation in bfloat16).
 BF16_LESSONS := 01 02 03 06 07 11 12
+BF16_NOTEBOOKS := $(foreach n,$(BF16_LESSONS),$(wildcard notebooks/$(n)_*.ipynb))
 test: $(STAMP)
+	@test $(words $(BF16_NOTEBOOKS)) -eq $(words $(BF16_LESSONS)) || \
+		{ echo "BF16_LESSONS names $(BF16_LESSONS), found $(BF16_NOTEBOOKS)"; exit 1; }
 	$(BIN)/python -m pytest -q tests notebooks --nbval-lax --durations=10
-	LLM_RUNTIME_DTYPE=bfloat16 $(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --durations=5 \
-		$(foreach n,$(BF16_LESSONS),$(wildcard notebooks/$(n)_*.ipynb))
+	LLM_RUNTIME_DTYPE=bfloat16 $(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --durations=5 $(BF16_NOTEBOOKS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -71,11 +71,15 @@ def _wide_rows(num_rows: int, columns: int, group: int, seed: int) -> torch.Tens
     return x.bfloat16()
 
 
-def _int16_bound(x: torch.Tensor, weight: torch.Tensor, group: int, exact: torch.Tensor) -> torch.Tensor:
-    """What int4_matmul may differ from the exact product by: each x rounded to 2^-15 of its group's largest
-    |x| (at most), then the result once to bfloat16 (2^-8 of it), and float32's sums."""
+def _int16_bound(x: torch.Tensor, layer: Int4Linear, weight: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """What int4_matmul may differ from the exact product by: each x rounded by at most 2^-15 of its group's
+    largest |x|, weighed by q * scale (its weight less the group's zero point, zero - 8 scale: the kernel adds
+    that part from the exact sum of x), then the result once to bfloat16 (2^-8 of it), and float32's sums."""
+    group, rows = layer.group_size, weight.shape[0]
+    stored = layer.scales_and_zeros.double()[:, :rows]  # (G, N, 2)
+    zero_point = (stored[..., 1] - 8 * stored[..., 0]).t().repeat_interleave(group, dim=1)  # (N, K)
     largest = x.double().abs().view(x.shape[0], -1, group).amax(dim=2).repeat_interleave(group, dim=1)  # (M, K)
-    return 2.0**-15 * (largest @ weight.double().abs().t()) + 2.0**-8 * exact.abs() + 1e-30
+    return 2.0**-15 * (largest @ (weight.double() - zero_point).abs().t()) + 2.0**-8 * exact.abs() + 1e-30
 
 
 @pytest.mark.skipif(not HAS_VNNI, reason="the 16-bit integer int4 kernel needs AVX-512 VNNI and VBMI")
@@ -88,9 +92,30 @@ def test_the_int4_product_in_16_bit_integers_is_within_its_bound(rows: int, colu
         out = int4_matmul(x, layer.packed, group, layer.scales_and_zeros)
         assert out is not None and out.shape == (num_rows, rows) and out.dtype == torch.bfloat16
         exact = x.double() @ weight.double().t()
-        assert ((out.double() - exact).abs() <= _int16_bound(x, weight, group, exact)).all(), num_rows
+        assert ((out.double() - exact).abs() <= _int16_bound(x, layer, weight, exact)).all(), num_rows
         pytorchs = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, group, layer.scales_and_zeros)
         assert (out.double() - exact).abs().max() <= 2 * (pytorchs.double() - exact).abs().max() + 1e-30
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="the 16-bit integer int4 kernel needs AVX-512 VNNI and VBMI")
+def test_the_activations_become_multiples_of_their_groups_power_of_two_step() -> None:
+    """With W = I (q one-hot, scale 1, zero 8: the zero point is 0) the product is the activations as the
+    kernel holds them: each group's largest |x| = f 2^e (f in [0.5, 1)) makes the step 2^(e - 15), and every
+    x is rounded to a multiple of it, bit for bit (all of them fit a bfloat16). Rows read with a stride."""
+    size, group = 64, 32
+    layer = Int4Linear(torch.eye(size, dtype=torch.int32), torch.ones(size, size // group),
+                       torch.full((size, size // group), 8.0), None, torch.bfloat16)
+    wide = _wide_rows(5, size + 32, group, seed=7)
+    x = wide[:, :size]  # (5, 64) with a row stride of 96
+    out = int4_matmul(x, layer.packed, group, layer.scales_and_zeros)
+    assert torch.equal(out, int4_matmul(x.contiguous(), layer.packed, group, layer.scales_and_zeros))
+    groups = x.double().view(5, -1, group)
+    _, exponent = torch.frexp(groups.abs().amax(dim=2, keepdim=True))
+    step = torch.pow(2.0, exponent.double() - 15)
+    held = (torch.round(groups / step) * step).view(5, size)  # round half to even, as the kernel
+    assert torch.equal(out.double(), held)
+    near = groups.abs() >= groups.abs().amax(dim=2, keepdim=True) / 2**7  # within 2^7 of the largest: exact
+    assert torch.equal(held.view(5, -1, group)[near], groups[near]) and not near.all()
 
 
 @pytest.mark.skipif(not HAS_VNNI, reason="the 16-bit integer int4 kernel needs AVX-512 VNNI and VBMI")
@@ -108,12 +133,19 @@ def test_values_near_their_groups_largest_are_exact_in_16_bit_integers() -> None
 
 
 @pytest.mark.skipif(not HAS_VNNI, reason="the 16-bit integer int4 kernel needs AVX-512 VNNI and VBMI")
-def test_the_int4_product_keeps_nan_and_refuses_what_it_does_not_handle() -> None:
+def test_the_int4_product_refuses_what_it_does_not_handle() -> None:
+    """An infinity or a NaN has no step: the layer's product goes to PyTorch's kernel, which keeps them."""
+    from llm_runtime.model.quantized_linear import int4_product
+
     layer, _ = _packed_layer(128, 128, 32, torch.bfloat16)
     x = torch.randn(3, 128).bfloat16()
-    x[1, 70] = float("nan")
-    out = int4_matmul(x, layer.packed, 32, layer.scales_and_zeros)
-    assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+    assert int4_matmul(x, layer.packed, 32, layer.scales_and_zeros) is not None
+    for bad in (float("nan"), float("inf")):
+        x[1, 70] = bad
+        assert int4_matmul(x, layer.packed, 32, layer.scales_and_zeros) is None
+        out = int4_product(x, layer.packed, 32, layer.scales_and_zeros)
+        assert not out[1].isfinite().any() and out[[0, 2]].isfinite().all()
+    x[1, 70] = 0.0
     assert int4_matmul(x.float(), layer.packed, 32, layer.scales_and_zeros.float()) is None  # float32: dense
     assert int4_matmul(torch.randn(256, 3).bfloat16().t(), layer.packed, 32, layer.scales_and_zeros) is None
     tail, _ = _packed_layer(80, 128, 32, torch.bfloat16)  # a block of 64 rows and a tail of 16
@@ -122,6 +154,8 @@ def test_the_int4_product_keeps_nan_and_refuses_what_it_does_not_handle() -> Non
         int4_matmul(torch.randn(1, 64).bfloat16(), layer.packed, 32, layer.scales_and_zeros)
     with pytest.raises(ValueError, match="must match rows"):  # scales of groups of 32 read as groups of 64
         int4_matmul(x, layer.packed, 64, layer.scales_and_zeros)
+    with pytest.raises(ValueError, match="packed uint8"):
+        int4_matmul(x, layer.packed.view(torch.int8), 32, layer.scales_and_zeros)
 
 
 def test_without_the_kernels_the_layers_keep_pytorchs(monkeypatch) -> None:

@@ -107,15 +107,15 @@ def int4_matmul(rows: torch.Tensor, packed: torch.Tensor, group_size: int,
                 scales_and_zeros: torch.Tensor) -> torch.Tensor | None:
     """rows (M, K) @ W^T -> (M, N) in bfloat16 for a weight in PyTorch's CPU int4 packing (as
     `int4_dequantize_t`), by this package's 16-bit integer kernel; None where it does not apply (rows or
-    scales not bfloat16, N not a multiple of 64, a group size it does not take, a build without AVX-512
-    VNNI): then PyTorch's kernel is the one to call."""
+    scales not bfloat16, N not a multiple of 64, a group size it does not take, an infinity or a NaN in
+    rows, a build without AVX-512 VNNI): then PyTorch's kernel is the one to call."""
     num_rows, in_features = rows.shape
     if rows.dtype != torch.bfloat16 or scales_and_zeros.dtype != torch.bfloat16 or rows.stride(1) != 1:
         return None
     expected = (in_features // group_size, packed.shape[0], 2) if group_size > 0 else None
-    if (packed.shape != (packed.shape[0], in_features // 2) or scales_and_zeros.shape != expected
-            or in_features % group_size):
-        raise ValueError(f"packed (N, {in_features // 2}) and scales_and_zeros (K / group, N, 2) must match rows "
+    if (packed.dtype != torch.uint8 or packed.shape != (packed.shape[0], in_features // 2)
+            or scales_and_zeros.shape != expected or in_features % group_size):
+        raise ValueError(f"packed uint8 (N, {in_features // 2}) and scales_and_zeros (K / group, N, 2) must match rows "
                          f"(M, {in_features}) and group {group_size}, got {tuple(packed.shape)} and "
                          f"{tuple(scales_and_zeros.shape)}")
     if rows.device.type != "cpu":

@@ -13,9 +13,9 @@ multiplies that read quantized weights and de-quantize them in registers.
   first holds any 4-bit group's 16 levels exactly, the second any Q8_0 block: on the bundled model, whose
   layers were Q4_1 and its head Q8_0, nothing is rounded again.
 - **int4, in groups** (`Int4Linear`, `torch._weight_int4pack_mm_for_cpu` on the CPU or this package's
-  16-bit integer kernel where the CPU has AVX-512 VNNI, `torch._weight_int4pack_mm` on CUDA): each run of `group_size` input columns of a row has its own
-  scale and zero, and `W = (q - 8) * scale + zero` with q in [0, 15] (asymmetric: the group's minimum
-  and maximum are both representable). The kernels read the 4-bit values from their own tiled layout
+  16-bit integer kernel where the CPU has AVX-512 VNNI, `torch._weight_int4pack_mm` on CUDA): each run of
+  `group_size` input columns of a row has its own scale and zero, and `W = (q - 8) * scale + zero` with q
+  in [0, 15] (asymmetric: the group's minimum and maximum are both representable). The kernels read the 4-bit values from their own tiled layout
   (`_convert_weight_to_int4pack*`), two per byte.
 
 A GGUF Q4_1 block (32 weights: a scale d, a minimum m, 32 four-bit values q, W = d * q + m) is

@@ -84,7 +84,7 @@ at::Tensor int4_matmul(const at::Tensor &rows, const at::Tensor &packed, int64_t
     if (rows.size(0) > DENSE_ROWS || rows.scalar_type() == at::kFloat)  // the weight back, then a dense product
         return at::mm(rows, int4_dequantize_t(packed, scales_and_zeros, rows.size(1), group_size));
     // This package's kernel where it applies (quantized_kernels.int4_matmul), else PyTorch's.
-    const int64_t N = packed.size(0), K = rows.size(1);
+    const int64_t N = packed.dim() == 2 ? packed.size(0) : 0, K = rows.dim() == 2 ? rows.size(1) : 0;
     if (rows.scalar_type() == at::kBFloat16 && scales_and_zeros.scalar_type() == at::kBFloat16 && rows.dim() == 2
         && rows.stride(1) == 1 && packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.size(1) * 2 == K
         && packed.is_contiguous() && group_size > 0 && K % group_size == 0 && scales_and_zeros.dim() == 3
