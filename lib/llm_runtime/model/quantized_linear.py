@@ -15,8 +15,8 @@ multiplies that read quantized weights and de-quantize them in registers.
 - **int4, in groups** (`Int4Linear`, `torch._weight_int4pack_mm_for_cpu` on the CPU or this package's
   16-bit integer kernel where the CPU has AVX-512 VNNI, `torch._weight_int4pack_mm` on CUDA): each run of
   `group_size` input columns of a row has its own scale and zero, and `W = (q - 8) * scale + zero` with q
-  in [0, 15] (asymmetric: the group's minimum and maximum are both representable). The kernels read the 4-bit values from their own tiled layout
-  (`_convert_weight_to_int4pack*`), two per byte.
+  in [0, 15] (asymmetric: the group's minimum and maximum are both representable). The kernels read the
+  4-bit values from their own tiled layout (`_convert_weight_to_int4pack*`), two per byte.
 
 A GGUF Q4_1 block (32 weights: a scale d, a minimum m, 32 four-bit values q, W = d * q + m) is
 exactly such a group, with scale d and zero m + 8 d: `gguf.py` loads the bundled model's blocks
@@ -30,8 +30,8 @@ dense, 43 ms int8, 22 ms int4). So on the CPU an int4 layer above `DENSE_ROWS` r
 turns its weight back into the compute dtype with this package's C kernel (`quantized_kernels.py`,
 reading PyTorch's own packing: no second copy is kept) and multiplies densely. At a few rows in bfloat16,
 on a CPU with AVX-512 VNNI, another of its kernels multiplies the 4-bit values as 16-bit integers, 1.3x
-PyTorch's int4 kernel at one row (the bundled model's native 4-bit decode step: 8.4-8.8 ms against
-9.4-10.0 ms, against float32's 29.7-32.2 ms, five runs with the three engines in turn).
+PyTorch's int4 kernel at one row (the bundled model's native 4-bit decode step: 8.4-9.4 ms against
+9.4-10.2 ms, against float32's 29.7-32.2 ms, six runs with the three engines in turn).
 """
 
 from __future__ import annotations
