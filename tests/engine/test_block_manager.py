@@ -163,6 +163,25 @@ def test_prefix_reuse_lru_eviction_and_copy_on_write() -> None:
     assert manager.block_tables["q"][1] != manager.block_tables["p"][1]
 
 
+def test_a_write_that_starts_in_a_shared_block_and_ends_in_a_new_one_copies_it() -> None:
+    """Speculation after a fork: the step writes the last prompt token and 4 drafts, positions 4 .. 8, starting in
+    the block the siblings share (positions 4 .. 7) and ending in a new one. The shared block is copied, and
+    the room for the copy is counted by can_append (before, only the last token's block was looked at)."""
+    manager = BlockManager(num_blocks=5, block_size=4)
+    manager.allocate("p", [1, 2, 3, 4, 5])  # blocks for positions 0 .. 7, the second one partly filled
+    manager.fork("p", "q")
+    shared = manager.block_tables["p"][1]
+    assert manager.can_append("q", 9, 5)
+    copies = manager.append_slots("q", 9, 5)
+    assert copies == [(shared, manager.block_tables["q"][1])] and manager.block_tables["q"][1] != shared
+    assert manager.block_tables["q"][0] == manager.block_tables["p"][0]  # full and not written: still shared
+    assert len(manager.block_tables["q"]) == 3 and manager.allocator.ref_counts[shared] == 1
+    # One free block left: a second sibling's 5-token write would need a copy and a new block.
+    manager.fork("p", "r")
+    assert manager.num_free_blocks == 1 and not manager.can_append("r", 9, 5) and manager.can_append("r", 8, 4)
+    manager.check_invariants()
+
+
 def test_refusals() -> None:
     manager = BlockManager(num_blocks=2, block_size=4)
     assert not manager.can_allocate(list(range(9)))

@@ -207,3 +207,111 @@ def test_colliding_block_hashes_never_reuse_another_prompts_blocks(tiny_pairs, m
         finals = drain(engine)  # one at a time: every later prompt finds the earlier ones' blocks cached
         assert finals[name].outputs[0].token_ids == expected["first" if name == "again" else name], name
     assert engine.stats().prefix_cache_hit_tokens >= 16  # the true repeat still hits
+
+
+# ---------------------------------------------------------------------------------------------- second round
+def test_a_seed_at_the_top_of_its_range_with_n_above_one_runs(tiny_pairs) -> None:
+    """Completion i of a seeded request uses seed + i, wrapped within the 64-bit range: seed 2**63 - 1 with n = 2
+    gives its second completion seed -2**63 (it used to fail its own validation inside the engine)."""
+    model, _ = tiny_pairs["llama2"]
+    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=64))
+    params = dict(temperature=1.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("top", [5, 6, 7], SamplingParams(n=2, seed=2**63 - 1, **params))
+    engine.add_request("wrapped", [5, 6, 7], SamplingParams(seed=-(2**63), **params))
+    engine.add_request("last", [5, 6, 7], SamplingParams(seed=2**63 - 1, **params))
+    finals = drain(engine)
+    top = [c.token_ids for c in finals["top"].outputs]
+    assert top == [finals["last"].outputs[0].token_ids, finals["wrapped"].outputs[0].token_ids]
+    assert top[0] != top[1]
+
+
+def test_a_request_the_scheduler_refuses_leaves_nothing_behind(tiny_pairs, monkeypatch) -> None:
+    model, _ = tiny_pairs["llama2"]
+    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=64))
+    request = engine.input_processor.process("x", [5, 6, 7], SamplingParams(max_tokens=3))
+    monkeypatch.setattr(engine.scheduler, "add", lambda *args: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        engine.add_processed(request)
+    assert not engine.requests and not engine.has_unfinished_requests()
+
+
+def test_drafts_never_starve_the_running_sequences(tiny_pairs) -> None:
+    """A budget of 8 tokens, 4 running sequences, 4 drafts each: a step verifies drafts only once every running
+    sequence has its own token (before, the first sequences took 1 + 4 drafts and 1 + 2, and the last ones
+    waited, step after step, while the first ones kept drafting)."""
+    model, _ = tiny_pairs["llama3"]
+    engine = LLMEngine(model, None, EngineConfig(
+        max_num_seqs=4, max_num_batched_tokens=8, num_kv_blocks=128, speculative_config={
+            "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2}))
+    phrase = [11, 12, 13]
+    for i in range(4):
+        engine.add_request(str(i), phrase * 2 + [20 + i], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    scheduler, steps = engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def recorded():
+        batch = schedule()
+        steps.append((batch, set(scheduler.running)))
+        return batch
+
+    scheduler.schedule = recorded
+    drain(engine)
+    with_drafts = [(batch, running) for batch, running in steps if any(item.draft_token_ids for item in batch.items)]
+    assert len(with_drafts) > 5 and engine.stats().num_accepted_tokens > 0
+    assert any(len(running) == 4 for _, running in with_drafts)
+    for batch, running in with_drafts:
+        assert {item.seq for item in batch.items} == running and batch.num_tokens <= 8
+
+
+def test_a_failed_output_step_takes_every_sequence_of_the_request_out(tiny_pairs, monkeypatch) -> None:
+    """The output processor fails for a request of n = 3 while its prompt is still being computed (its siblings are
+    forks yet to be made): all three finish with an error and leave the scheduler; nothing runs them afterwards."""
+    from llm_runtime.engine.output_processor import OutputProcessor
+
+    model, _ = tiny_pairs["llama2"]
+    engine = LLMEngine(model, None, EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, num_kv_blocks=64))
+    others = prompts(model.config.vocab_size, 3, seed=4)
+    for i, prompt in enumerate(others):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.add_request("bad", list(range(3, 43)), SamplingParams(n=3, temperature=0, max_tokens=30, ignore_eos=True))
+    process = OutputProcessor._process_request
+
+    def failing(self, state, *args):
+        if state.request.request_id == "bad":
+            raise RuntimeError("injected fault in the output step")
+        return process(self, state, *args)
+
+    monkeypatch.setattr(OutputProcessor, "_process_request", failing)
+    finals = drain(engine)
+    assert [c.finish_reason for c in finals["bad"].outputs] == ["error"] * 3
+    assert engine.stats().num_failed_requests == 1 and not engine.scheduler.forks
+    for i, prompt in enumerate(others):
+        assert finals[str(i)].outputs[0].token_ids == generate(model, prompt, SamplingParams(
+            temperature=0, max_tokens=8, ignore_eos=True))
+    assert engine.stats().num_used_blocks == 0
+
+
+def test_a_device_fault_kills_the_engine_instead_of_failing_every_request(tiny_pairs, monkeypatch) -> None:
+    """After an illegal memory access every CUDA call fails: retrying the step one request at a time would fail
+    each request in turn and leave a dead engine serving errors. The engine says it is dead instead."""
+    from llm_runtime.errors import EngineDeadError
+
+    model, _ = tiny_pairs["llama2"]
+    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=64))
+    for i in range(3):
+        engine.add_request(str(i), [5, 6, 7 + i], SamplingParams(max_tokens=4))
+    calls = []
+
+    def faulty_run(batch):
+        calls.append(batch)
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(engine.model_runner, "run", faulty_run)
+    with pytest.raises(EngineDeadError, match="illegal memory access"):
+        engine.step()
+    assert len(calls) == 1 and engine.stats().num_failed_requests == 0
+    with pytest.raises(EngineDeadError):
+        engine.add_request("late", [5], SamplingParams(max_tokens=2))
+    with pytest.raises(EngineDeadError):
+        engine.step()
+    engine.shutdown()

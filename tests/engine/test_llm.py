@@ -87,3 +87,25 @@ def test_bad_prompt_in_a_batch_leaves_nothing_running(llm: LLM) -> None:
     assert not llm.llm_engine.has_unfinished_requests()
     single = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(single) == 1 and len(single[0].outputs[0].token_ids) == 3
+
+
+def test_a_request_that_fails_to_join_the_engine_takes_its_batch_back(tiny_chat_model, monkeypatch) -> None:
+    """One refused prompt adds nothing, even when the refusal comes from the engine after the input processor
+    passed every prompt: the prompts added before it are taken out again."""
+    model, tokenizer = tiny_chat_model
+    llm = LLM.from_model(model, tokenizer, num_kv_blocks=64)
+    engine = llm.llm_engine
+    add, added = engine.add_processed, []
+
+    def add_two_then_fail(request):
+        if len(added) == 2:
+            raise RuntimeError("injected: the third request cannot join")
+        added.append(request.request_id)
+        add(request)
+
+    monkeypatch.setattr(engine, "add_processed", add_two_then_fail)
+    with pytest.raises(RuntimeError, match="third request"):
+        llm.generate(["a", "b", "c", "d"], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert len(added) == 2 and not engine.has_unfinished_requests() and not engine.scheduler.has_unfinished()
+    monkeypatch.undo()
+    assert len(llm.generate(["a"], SamplingParams(max_tokens=3), use_tqdm=False)) == 1

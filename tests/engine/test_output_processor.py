@@ -27,9 +27,9 @@ def drive(tokenizer, params: SamplingParams, tokens: list[int], prompt: str = "S
     outputs, stopped = [], []
     for token in tokens:
         seq.append_token(token, now=0.0)
-        step_outputs, step_stopped = processor.process(["r"], {}, now=0.0)
-        outputs += step_outputs
-        stopped += step_stopped
+        processed = processor.process(["r"], {}, now=0.0)
+        outputs += processed.outputs
+        stopped += processed.finished
         if seq.is_finished:
             break
     return seq, outputs, stopped

@@ -220,7 +220,7 @@ def test_a_draft_model_that_agrees_keeps_every_guess(tiny_pairs) -> None:
     assert other.stats().acceptance_rate < 1.0
     assert_no_leak(other)
     other.step()  # nothing to run: the draft's caches go with their sequences
-    assert not other.proposer.caches
+    assert not other.proposer.cached and not other.proposer.block_manager.block_tables
 
 
 def test_a_sampling_draft_model_keeps_the_distribution(tiny_pairs) -> None:
@@ -275,3 +275,103 @@ def test_speculation_in_bfloat16(tiny_pairs) -> None:
     assert all(len(x) == len(y) for key in expected for x, y in zip(expected[key], got[key]))
     assert engine.stats().num_accepted_tokens > 20
     assert_no_leak(engine)
+
+
+DRAFT = {"method": "draft", "model": "given", "num_speculative_tokens": 4}
+
+
+def _finals(engine: LLMEngine, requests) -> dict:
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(str(i), prompt, params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+    return finals
+
+
+def test_siblings_never_verify_their_drafts_in_each_others_blocks(tiny_pairs) -> None:
+    """n = 4 with a sampling draft model: right after the fork each sibling writes its last prompt token and 4
+    guesses of its own, a write that starts in the block the siblings share and ends in a new one. Every sibling's
+    logprobs (the target's, as it verified) equal a plain forward pass over its own text; before, all four wrote
+    their guesses into the one shared block and verified against each other's keys."""
+    model, _ = tiny_pairs["llama3"]
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_kv_blocks=256, speculative_config=DRAFT),
+                       draft_model=tiny_pairs["llama2"][0])
+    requests = [([20 + i, 21, 22, 23, 24, 25][: 3 + i], SamplingParams(n=4, temperature=1.0, seed=i, max_tokens=12,
+                                                                       ignore_eos=True, logprobs=0)) for i in range(3)]
+    finals = _finals(engine, requests)
+    assert engine.stats().num_draft_tokens > 40
+    for output in finals.values():
+        assert len({tuple(c.token_ids) for c in output.outputs}) > 1  # the siblings went their own ways
+        for completion in output.outputs:
+            ids = output.prompt_token_ids + completion.token_ids
+            with torch.no_grad():
+                logprobs = model.compute_logits(model(torch.tensor([ids])))[0].log_softmax(-1)  # (T, vocab)
+            start = len(output.prompt_token_ids)
+            for t, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+                assert abs(entry[token] - float(logprobs[start + t - 1, token])) < 1e-5, (output.request_id, t)  # float32
+    assert_no_leak(engine)
+
+
+def test_seeded_requests_are_reproducible_with_a_draft_model(tiny_pairs) -> None:
+    """A seeded request's guesses come from its own seed: alone or among other sampled requests, the same tokens."""
+    model, draft = tiny_pairs["llama3"][0], tiny_pairs["llama2"][0]
+    request = ([7, 8, 9, 10], SamplingParams(temperature=1.0, seed=123, max_tokens=16, ignore_eos=True))
+    alone = _finals(LLMEngine(model, None, EngineConfig(num_kv_blocks=128, speculative_config=DRAFT),
+                              draft_model=draft), [request])["0"]
+    others = [([5, 6, 5, 6, 5], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))] * 4
+    crowded = _finals(LLMEngine(model, None, EngineConfig(num_kv_blocks=128, speculative_config=DRAFT),
+                                draft_model=draft), others + [request] + others)["4"]
+    assert crowded.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_the_draft_models_pool_is_inside_the_kv_budget(tiny_pairs) -> None:
+    """Both pools come out of kv_cache_memory (the same number of blocks each), the CPU device's ledger counts the
+    draft's pool and weights, and 16 requests that outgrow it take nothing more: the draft's memory is its pool
+    (before, each sequence got a cache of its whole length, outside the budget)."""
+    from llm_runtime.engine.kv_budget import CPU_DEVICE, tensor_bytes
+
+    model, draft = tiny_pairs["llama3"][0], copy.deepcopy(tiny_pairs["llama2"][0])
+    budget = 1 << 20
+    engine = LLMEngine(model, None, EngineConfig(max_num_seqs=16, kv_cache_memory=budget, block_size=4,
+                                                 speculative_config=DRAFT), draft_model=draft)
+    pool, draft_pool = engine.kv_cache.nbytes, engine.proposer.nbytes
+    assert engine.kv_pool_bytes == pool + draft_pool <= budget
+    assert engine.proposer.kv_cache.num_blocks == engine.kv_cache.num_blocks
+    held = CPU_DEVICE.held_bytes(model.device)
+    assert held >= pool + draft_pool + tensor_bytes(model) + tensor_bytes(draft)
+    rng = random.Random(3)
+    requests = [([rng.randrange(3, 97) for _ in range(20)], SamplingParams(temperature=0, max_tokens=50,
+                                                                           ignore_eos=True)) for _ in range(16)]
+    expected = _finals(LLMEngine(model, None, EngineConfig(max_num_seqs=16, num_kv_blocks=engine.kv_cache.num_blocks,
+                                                           block_size=4)), requests)
+    got = _finals(engine, requests)
+    assert {k: v.outputs[0].token_ids for k, v in got.items()} == {k: v.outputs[0].token_ids for k, v in expected.items()}
+    assert engine.proposer.nbytes == draft_pool and engine.stats().num_preemptions > 0
+    assert not engine.proposer.block_manager.block_tables
+    engine.shutdown()
+
+
+def test_a_failing_proposal_fails_its_own_request_alone(tiny_pairs, monkeypatch) -> None:
+    """The draft model raises whenever a sequence's tokens hold a poison token: that request ends with an error,
+    the step does not raise, and every other request gets exactly the tokens it gets without speculation."""
+    model, draft = tiny_pairs["llama3"][0], copy.deepcopy(tiny_pairs["llama2"][0])
+    forward = type(draft).forward
+
+    def failing(self, input_ids, *args, **kwargs):
+        if bool((input_ids == 90).any()):
+            raise RuntimeError("injected fault in the draft model")
+        return forward(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(draft, "forward", failing.__get__(draft))
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    requests = [([5, 6, 7, 5, 6, 7], greedy), ([90, 91, 92], greedy), ([11, 12, 13, 11, 12], greedy)]
+    finals = _finals(LLMEngine(model, None, EngineConfig(num_kv_blocks=64, speculative_config=DRAFT),
+                               draft_model=draft), requests)
+    assert finals["1"].outputs[0].finish_reason == "error"
+    expected = _finals(LLMEngine(model, None, EngineConfig(num_kv_blocks=64)), requests)
+    for key in ("0", "2"):
+        assert finals[key].outputs[0].token_ids == expected[key].outputs[0].token_ids
+        assert finals[key].outputs[0].finish_reason == "length"

@@ -147,30 +147,36 @@ class BlockManager:
             tokens = token_ids[i * self.block_size : (i + 1) * self.block_size]
             chain.append(cache.insert(table[i], chain[-1] if chain else None, tokens))
 
-    def can_append(self, seq_key: Hashable, num_tokens: int) -> bool:
-        """Whether the table can grow to hold `num_tokens` and copy a shared last block if it must."""
+    def can_append(self, seq_key: Hashable, num_tokens: int, num_new_tokens: int = 1) -> bool:
+        """Whether the table can grow to hold `num_tokens`, and copy every shared block among those the last
+        `num_new_tokens` of them are written to (1: a decode step)."""
         needed = self.blocks_needed(num_tokens) - len(self.block_tables[seq_key])
-        return needed + (1 if self._needs_copy(seq_key, num_tokens) else 0) <= self.num_free_blocks
+        return needed + len(self._shared_written(seq_key, num_tokens, num_new_tokens)) <= self.num_free_blocks
 
-    def _needs_copy(self, seq_key: Hashable, num_tokens: int) -> bool:
+    def _shared_written(self, seq_key: Hashable, num_tokens: int, num_new_tokens: int) -> list[int]:
+        """Indices into the table of the blocks that tokens [num_tokens - num_new_tokens, num_tokens) go to and
+        that someone else also holds: a speculative step's 1 + k tokens may start in a block shared since a fork
+        and end in a new one, so every block of the range is looked at, not only the last token's."""
         table = self.block_tables[seq_key]
-        write_block = (num_tokens - 1) // self.block_size
-        return write_block < len(table) and self.allocator.ref_counts[table[write_block]] > 1
+        first = max(0, num_tokens - num_new_tokens) // self.block_size
+        last = min((num_tokens - 1) // self.block_size, len(table) - 1)
+        return [i for i in range(first, last + 1) if self.allocator.ref_counts[table[i]] > 1]
 
-    def append_slots(self, seq_key: Hashable, num_tokens: int) -> list[tuple[int, int]]:
-        """Grow the table to hold `num_tokens`; returns the (source, destination) block copies to make."""
-        if not self.can_append(seq_key, num_tokens):
+    def append_slots(self, seq_key: Hashable, num_tokens: int, num_new_tokens: int = 1) -> list[tuple[int, int]]:
+        """Grow the table to hold `num_tokens`, of which the last `num_new_tokens` are written this step; returns
+        the (source, destination) block copies to make first (copy-on-write of every shared block written)."""
+        if not self.can_append(seq_key, num_tokens, num_new_tokens):
             raise RuntimeError("not enough free KV blocks: call can_append first")
         table = self.block_tables[seq_key]
         copies = []
-        if self._needs_copy(seq_key, num_tokens):
-            # Copy-on-write: the token goes into a block someone else also reads.
-            write_block = (num_tokens - 1) // self.block_size
-            shared = table[write_block]
-            table[write_block] = self.allocator.allocate()
-            self.allocator.decref(shared)
-            copies.append((shared, table[write_block]))
-            del self._chains[seq_key][write_block:]
+        shared = self._shared_written(seq_key, num_tokens, num_new_tokens)
+        for index in shared:  # copy-on-write: these tokens go into blocks someone else also reads
+            source = table[index]
+            table[index] = self.allocator.allocate()
+            self.allocator.decref(source)
+            copies.append((source, table[index]))
+        if shared:
+            del self._chains[seq_key][shared[0]:]
         while len(table) < self.blocks_needed(num_tokens):
             table.append(self.allocator.allocate())
         return copies

@@ -23,16 +23,16 @@ import logging
 import warnings
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from ..attention.kv_calibration import calibrate_kv_scales, calibration_token_ids
-from ..attention.kv_cache import PagedKVCache, kv_block_bytes, num_blocks_in
+from ..attention.kv_cache import PagedKVCache, kv_block_bytes
 from ..attention.kv_quant import KVScales
 from ..attention.selector import select_backend
 from ..config import EngineConfig
-from ..errors import EngineDeadError, InvalidRequestError
+from ..errors import EngineDeadError, InvalidRequestError, is_device_fault
 from ..model import CausalLM
 from ..model.pointwise import EAGER_OPS, compiled_ops, pointwise_ops_of, set_pointwise_ops_
 from ..model.packed_linear import is_packed, pack_linears_, packing_unsupported_reason
@@ -129,7 +129,7 @@ class LLMEngine:
                              f"fit in one step (max_model_len <= max_num_batched_tokens + 1)")
         self._pack_linears(owns_model)  # before the KV budget, which counts the weights as they end up
         self._compile_pointwise(owns_model)
-        self.proposer = self._make_proposer(draft_model)  # a draft model's weights count in the budget too
+        self.draft_model = self._draft_model(draft_model)  # its weights and its KV pool count in the budget too
         if model.device.type == "cpu":
             keep_freed_host_memory()  # a step's temporaries reuse memory instead of page-faulting (host_memory.py)
         block_size = config.block_size
@@ -151,6 +151,7 @@ class LLMEngine:
         self.kv_cache = PagedKVCache.for_model(model.config, num_blocks, block_size, dtype=model.dtype,
                                                device=model.device, kv_cache_dtype=config.kv_cache_dtype,
                                                kv_scales=self._calibrate_kv_scales())
+        self.proposer = self._make_proposer(num_blocks)
         CPU_DEVICE.register(self)  # the emulated device's book of what live engines hold (kv_budget.py)
         self.is_shut_down = False
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
@@ -169,6 +170,8 @@ class LLMEngine:
         spec = config.speculative_config
         self.spec_stats = SpeculationStats(spec.num_speculative_tokens) if spec is not None else None
         self.num_failed_requests = 0
+        self._failed_between_steps: list[str] = []  # failed while proposing: their final outputs go out next
+        self.dead_reason: BaseException | None = None  # the device fault that killed the engine, if one did
         self._num_steps = 0
         self._num_idle_steps = 0  # consecutive steps that scheduled nothing while requests were left
 
@@ -201,20 +204,50 @@ class LLMEngine:
         elif compiled and (self.config.enforce_eager or self.config.compile_pointwise is False):
             set_pointwise_ops_(self.model, EAGER_OPS)  # asked for eager: a model compiled by an earlier engine too
 
-    def _make_proposer(self, draft_model: CausalLM | None) -> Proposer | None:
-        """The speculative proposer the config asks for (spec_decode/), or None: one token per step."""
+    def _draft_model(self, draft_model: CausalLM | None) -> CausalLM | None:
+        """The draft model of a "draft" `speculative_config`: the one given, or the one the config names, loaded
+        on the target's device; None for any other config."""
         spec = self.config.speculative_config
         if spec is None or spec.method != "draft":
             if draft_model is not None:
                 raise ValueError('a draft_model is for speculative_config={"method": "draft", ...}')
-            if spec is None:
-                return None
-            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
+            return None
         if draft_model is None:
-            draft_model = load_draft_model(spec, self.model)
-        else:
-            check_same_vocabulary(draft_model, self.model)
-        return DraftModelProposer(draft_model, spec.num_speculative_tokens, seed=self.config.seed)
+            return load_draft_model(spec, self.model)
+        check_same_vocabulary(draft_model, self.model)
+        return draft_model
+
+    def _make_proposer(self, num_blocks: int) -> Proposer | None:
+        """The speculative proposer the config asks for (spec_decode/), or None: one token per step. A draft
+        model's pool has as many blocks as the engine's, of the same size (`_block_bytes` counted both)."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if self.draft_model is None:
+            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
+        draft = self.draft_model
+        backend = select_backend(self.attention_backend.name, draft.device, draft.dtype, None, self.config.block_size)
+        return DraftModelProposer(draft, spec.num_speculative_tokens, num_blocks=num_blocks,
+                                  block_size=self.config.block_size, attention_backend=backend, seed=self.config.seed)
+
+    def _block_bytes(self) -> int:
+        """Bytes one block of the KV pool takes, with the same block of the draft model's pool where there is one."""
+        model, config = self.model, self.config
+        nbytes = kv_block_bytes(model.config, config.block_size, model.dtype, config.kv_cache_dtype)
+        if self.draft_model is not None:
+            nbytes += kv_block_bytes(self.draft_model.config, config.block_size, self.draft_model.dtype)
+        return nbytes
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        """The bytes of every KV pool this engine holds: its own and its draft model's."""
+        draft = self.proposer.nbytes if isinstance(self.proposer, DraftModelProposer) else 0
+        return self.kv_cache.nbytes + draft
+
+    @property
+    def device_models(self) -> list[CausalLM]:
+        """The models whose weights this engine keeps on its device: the target and a draft model."""
+        return [self.model] + ([self.draft_model] if self.draft_model is not None else [])
 
     def _wants_compiled_forward(self, owns_model: bool) -> bool:
         """Whether steps run as one compiled forward pass (compiled_forward.py): when the config says True, or
@@ -280,19 +313,21 @@ class LLMEngine:
 
     def _num_kv_blocks(self, max_model_len: int, graphs: bool) -> int:
         """The pool size: num_kv_blocks, else kv_cache_memory, else what the device has left (kv_budget.py),
-        less the room CUDA graphs will take when `graphs`."""
+        less the room CUDA graphs will take when `graphs`. With a draft model, a block's bytes include the draft
+        pool's block (both pools get this many blocks)."""
         config, model = self.config, self.model
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
+        block = self._block_bytes()
         if config.kv_cache_memory is not None:
             nbytes = config.kv_cache_memory
         else:
             reserve = graph_memory_bytes(model.config, self.attention_backend, max_num_seqs=config.max_num_seqs,
                                          max_model_len=max_model_len, dtype=model.dtype) if graphs else 0
-            nbytes = kv_cache_memory(model, config, max_model_len, reserve=reserve)
-        num_blocks = num_blocks_in(nbytes, model.config, config.block_size, model.dtype, config.kv_cache_dtype)
+            nbytes = kv_cache_memory(model, config, max_model_len, reserve=reserve, block_bytes=block,
+                                     others=self.device_models[1:])
+        num_blocks = nbytes // block
         if num_blocks < 1:
-            block = kv_block_bytes(model.config, config.block_size, model.dtype, config.kv_cache_dtype)
             raise ValueError(f"{nbytes} bytes of KV memory hold no block of {config.block_size} tokens "
                              f"({block} bytes each)")
         return num_blocks
@@ -329,19 +364,25 @@ class LLMEngine:
         then adds the request between steps)."""
         if self.is_shut_down:
             raise EngineDeadError("the engine was shut down; create a new one")
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine's device failed; create a new engine: {self.dead_reason!r}")
         if request.request_id in self.requests:
             raise InvalidRequestError("request_id", f"request id {request.request_id!r} is already in use")
         params = request.params
         sequences = []
         for index in range(params.n):
-            # As vLLM does for n > 1, completion i of a seeded request uses seed + i.
-            seq_params = params if params.seed is None or index == 0 else replace(params, seed=params.seed + index)
+            seq_params = params.for_completion(index)  # completion i of a seeded request uses seed + i
             sequences.append(Sequence(
                 request.request_id, request.prompt_token_ids, seq_params, max_new_tokens=request.max_new_tokens,
                 eos_token_ids=self.model.config.eos_token_ids, index=index, arrival_time=request.arrival_time,
                 generator=seq_params.make_generator()))
+        # All or nothing: a request the scheduler refuses leaves no output state behind.
         self.output_processor.add_request(request, sequences)
-        self.scheduler.add(sequences[0], sequences[1:])
+        try:
+            self.scheduler.add(sequences[0], sequences[1:])
+        except BaseException:
+            self.output_processor.abort_request(request.request_id)
+            raise
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its sequences finish with reason "abort" and free their caches."""
@@ -349,6 +390,8 @@ class LLMEngine:
             raise ValueError(f"unknown request id {request_id!r} (never added, or already finished)")
         self.scheduler.abort(request_id)
         self.output_processor.abort_request(request_id)
+        if self.proposer is not None:
+            self.proposer.keep_only(set(self.scheduler.running))
 
     def stats(self) -> EngineStats:
         blocks, scheduler, graphs = self.block_manager, self.scheduler, self.model_runner.graphs
@@ -385,7 +428,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """One iteration: (propose,) schedule, run the model, postprocess; returns outputs of requests that
-        progressed."""
+        progressed, or that failed. Raises EngineDeadError once the device itself failed (is_device_fault)."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine's device failed; create a new engine: {self.dead_reason!r}")
         start = time.perf_counter()
         if self.proposer is not None:
             self._propose()
@@ -394,10 +439,12 @@ class LLMEngine:
             start = proposed
         batch = self.scheduler.schedule()
         self._num_idle_steps = 0 if batch.items or not self.has_unfinished_requests() else self._num_idle_steps + 1
+        failed, self._failed_between_steps = self._failed_between_steps, []
         if not batch.items:
+            outputs = self.output_processor.process(failed, {}, time.perf_counter()).outputs if failed else []
             if self.config.check_invariants:
                 self.check_invariants()
-            return []
+            return outputs
         scheduled = time.perf_counter()
         self.profile.schedule += scheduled - start
         result = self._run(batch)
@@ -406,8 +453,14 @@ class LLMEngine:
         self.scheduler.postprocess(batch, result.sampled, now, result.accepted)
         for seq, chunk_start, entries in result.prompt_logprobs:
             self.output_processor.add_prompt_logprobs(seq.request_id, chunk_start, entries)
-        outputs, finished = self.output_processor.process(batch.request_ids, result.logprobs, now)
-        self.scheduler.finish(finished)  # ended by a stop string: free their blocks now
+        request_ids = batch.request_ids
+        processed = self.output_processor.process(request_ids + [r for r in failed if r not in request_ids],
+                                                  result.logprobs, now)
+        self.scheduler.finish(processed.finished)  # ended by a stop string: free their blocks now
+        for request_id in processed.failed:  # every sequence of the request leaves, a waiting sibling's too
+            self._fail(request_id)
+        if self.proposer is not None:  # a draft model's blocks go back with the sequences that left this step
+            self.proposer.keep_only(set(self.scheduler.running))
         if self.config.record_steps:
             self._record(batch, start, now)
         self._num_steps += 1
@@ -415,15 +468,49 @@ class LLMEngine:
         self.profile.num_steps += 1
         if self.config.check_invariants:
             self.check_invariants()
-        return outputs
+        return processed.outputs
+
+    def _fail(self, request_id: str) -> None:
+        """Finish every sequence of a request with an error, wherever it is (running, waiting, a fork to make),
+        and free its blocks; its final output goes out from the output processor."""
+        self.scheduler.abort(request_id, SequenceStatus.FINISHED_ERROR)
+        self.num_failed_requests += 1
 
     def _propose(self) -> None:
         """Guesses for every running sequence whose next step is a decode; the proposer drops what it kept for
-        sequences that left (finished, or preempted: they start again)."""
-        scheduler = self.scheduler
-        self.proposer.propose([seq for seq in scheduler.running
-                               if seq.num_uncomputed_tokens == 1 and seq not in scheduler.forks])
-        self.proposer.keep_only(set(scheduler.running))
+        sequences that left (finished, or preempted: they start again). If proposing fails, it is tried again
+        one request at a time, and the requests that fail again finish with an error, as in a failed step."""
+        scheduler, proposer = self.scheduler, self.proposer
+        assert proposer is not None
+        proposer.keep_only(set(scheduler.running))
+        decoding = [seq for seq in scheduler.running if seq.num_uncomputed_tokens == 1 and seq not in scheduler.forks]
+        try:
+            proposer.propose(decoding)
+            return
+        except Exception as error:
+            if is_device_fault(error):
+                self._die(error)
+            logger.exception("proposing for %d sequences failed; retrying them one request at a time", len(decoding))
+        for request_id in dict.fromkeys(seq.request_id for seq in decoding):
+            sequences = [seq for seq in decoding if seq.request_id == request_id]
+            try:
+                proposer.propose(sequences)
+            except Exception as error:
+                if is_device_fault(error):
+                    self._die(error)
+                logger.exception("proposing for request %s failed; finishing it with an error", request_id)
+                for seq in sequences:
+                    seq.draft_token_ids, seq.draft_probs = [], None
+                self._fail(request_id)
+                self._failed_between_steps.append(request_id)
+        proposer.keep_only(set(scheduler.running))
+
+    def _die(self, error: BaseException) -> None:
+        """The device failed: nothing can run again in this process's CUDA context. Every live request ends with
+        an error output never sent; the engine refuses everything from now on."""
+        logger.error("the device failed (%s: %s); the engine is dead", type(error).__name__, error)
+        self.dead_reason = error
+        raise EngineDeadError(f"the engine's device failed; create a new engine: {error!r}") from error
 
     def _record_speculation(self, batch: ScheduledBatch, result: ModelRunnerOutput) -> None:
         if self.spec_stats is None:
@@ -436,20 +523,24 @@ class LLMEngine:
         """Run the step; if it fails, run it again one request at a time and fail only the requests
         whose part fails again. Rerunning is safe: nothing was recorded for the failed step, its KV
         writes go to the same slots again, copy-on-write copies are idempotent, and a seeded request's
-        noise is a function of its seed and output length, so its retry draws the same noise."""
+        noise is a function of its seed and output length, so its retry draws the same noise. A fault of
+        the device itself (is_device_fault) is not retried: it kills the engine."""
         try:
             return self.model_runner.run(batch)
-        except Exception:
+        except Exception as error:
+            if is_device_fault(error):
+                self._die(error)
             logger.exception("a step of %d requests failed; retrying them one at a time", len(batch.request_ids))
         result = ModelRunnerOutput()
         for part in batch.split_by_request():
             request_id = part.items[0].seq.request_id
             try:
                 partial = self.model_runner.run(part)
-            except Exception:
+            except Exception as error:
+                if is_device_fault(error):
+                    self._die(error)
                 logger.exception("request %s failed; finishing it with an error", request_id)
-                self.scheduler.abort(request_id, SequenceStatus.FINISHED_ERROR)
-                self.num_failed_requests += 1
+                self._fail(request_id)
                 continue
             result.sampled.update(partial.sampled)
             result.accepted.update(partial.accepted)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -72,32 +73,35 @@ class DeviceLedger:
     def num_live(self, device: torch.device) -> int:
         return sum(engine.model.device == device for engine in list(self._engines))
 
-    def held_bytes(self, device: torch.device, besides: CausalLM | None = None) -> int:
-        """Bytes held on `device` by live engines (their pools and their models' weights), with the
-        weights of `besides` (the model about to get an engine) counted once."""
+    def held_bytes(self, device: torch.device, besides: Sequence[torch.nn.Module] = ()) -> int:
+        """Bytes held on `device` by live engines (their pools, their draft models' pools, their models' and
+        draft models' weights), with the weights of `besides` (the models about to get an engine) counted once."""
         gc.collect()  # an engine in a reference cycle that nobody can reach is not live
-        models: dict[int, torch.nn.Module] = {} if besides is None else {id(besides): besides}
+        models: dict[int, torch.nn.Module] = {id(module): module for module in besides}
         pools = 0
         for engine in list(self._engines):
             if engine.model.device != device:
                 continue
-            pools += engine.kv_cache.nbytes
-            models[id(engine.model)] = engine.model
+            pools += engine.kv_pool_bytes
+            models.update((id(module), module) for module in engine.device_models)
         return pools + sum(tensor_bytes(m) for m in models.values())
 
 
 CPU_DEVICE = DeviceLedger()
 
 
-def kv_cache_memory(model: CausalLM, config: EngineConfig, max_model_len: int, reserve: int = 0) -> int:
+def kv_cache_memory(model: CausalLM, config: EngineConfig, max_model_len: int, reserve: int = 0,
+                    block_bytes: int | None = None, others: Sequence[torch.nn.Module] = ()) -> int:
     """Bytes for the KV pool by the rule above (the config gave neither num_kv_blocks nor kv_cache_memory),
-    less `reserve` bytes that something else will take later (CUDA graphs' memory pool)."""
-    block = kv_block_bytes(model.config, config.block_size, model.dtype, config.kv_cache_dtype)
+    less `reserve` bytes that something else will take later (CUDA graphs' memory pool). `block_bytes`: what
+    one block takes (the model's, unless a draft model's pool grows with it); `others`: more modules the
+    engine keeps on the device (a draft model; on CUDA their weights are measured with everything else)."""
+    block = block_bytes or kv_block_bytes(model.config, config.block_size, model.dtype, config.kv_cache_dtype)
     if model.device.type == "cuda":
         headroom = profile_kv_cache_memory(model, config, min_bytes=block + reserve) - reserve
     else:
         total = int(config.cpu_device_memory * config.gpu_memory_utilization)
-        held = CPU_DEVICE.held_bytes(model.device, besides=model) + activation_bytes(model, config) + reserve
+        held = CPU_DEVICE.held_bytes(model.device, besides=[model, *others]) + activation_bytes(model, config) + reserve
         headroom = total - held
         if headroom < block:
             raise RuntimeError(

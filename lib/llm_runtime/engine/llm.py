@@ -149,6 +149,13 @@ class LLM:
         for prompt, params in zip(prompt_list, params_list):
             requests.append(self.llm_engine.input_processor.process(str(self._next_id + len(requests)), prompt, params))
         self._next_id += len(requests)
-        for request in requests:
-            self.llm_engine.add_processed(request)
+        added: list[str] = []
+        try:
+            for request in requests:
+                self.llm_engine.add_processed(request)
+                added.append(request.request_id)
+        except BaseException:  # nothing of this call stays in the engine
+            for request_id in added:
+                self.llm_engine.abort_request(request_id)
+            raise
         return [request.request_id for request in requests]

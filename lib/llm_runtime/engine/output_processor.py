@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..model.tokenizer import Tokenizer
 from ..sampling import RequestOutputKind, SamplingParams
@@ -97,6 +97,15 @@ class SequenceText:
 
 
 @dataclass
+class ProcessedOutputs:
+    """What `OutputProcessor.process` made of one step."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)  # ended here by a stop string: their blocks go back
+    failed: list[str] = field(default_factory=list)  # requests whose output failed: every sequence must leave
+
+
+@dataclass
 class RequestState:
     """What the output processor keeps per request: its sequences, their text, and what was sent.
 
@@ -145,29 +154,31 @@ class OutputProcessor:
         state.prompt_logprobs += entries[max(0, known - 1 - start):]
 
     def process(self, request_ids: Iterable[str], logprobs: dict[Sequence, list[Logprobs]], now: float
-                ) -> tuple[list[RequestOutput], list[Sequence]]:
-        """Turn the new tokens of these requests into outputs; returns them and the sequences that a
-        stop string (or a failure here) finished, whose blocks the scheduler must now free."""
-        outputs, finished_here = [], []
+                ) -> ProcessedOutputs:
+        """Turn the new tokens of these requests into outputs: them, the sequences a stop string finished (whose
+        blocks the scheduler must now free), and the requests that failed here."""
+        processed = ProcessedOutputs()
         for request_id in request_ids:
             state = self.requests.get(request_id)
             if state is None:
                 continue
             try:
-                output = self._process_request(state, logprobs, now, finished_here)
+                output = self._process_request(state, logprobs, now, processed.finished)
             except Exception:  # a fault in one request's text (a tokenizer bug) fails that request only
                 logger.exception("output processing failed for request %s", request_id)
+                # Every completion ends with an error, the waiting ones too (a preempted sibling, a fork not yet
+                # made): the caller takes them out of the scheduler (`Scheduler.abort`), wherever they are.
                 for seq in state.sequences:
                     if not seq.is_finished:
                         seq.finish(SequenceStatus.FINISHED_ERROR, now)
-                        finished_here.append(seq)
                 state.finish_sent = [True] * len(state.sequences)
                 output = self._output(state, {i: ("", []) for i in range(len(state.sequences))})
+                processed.failed.append(request_id)
             if output is not None:
-                outputs.append(output)
+                processed.outputs.append(output)
             if state.finished:
                 del self.requests[request_id]
-        return outputs, finished_here
+        return processed
 
     def _process_request(self, state: RequestState, logprobs: dict[Sequence, list[Logprobs]], now: float,
                          finished_here: list[Sequence]) -> RequestOutput | None:

@@ -164,12 +164,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:  # running first: decodes are never starved by new prompts
             seq = self.running[i]
             num_new = min(self._tokens_to_run(seq), budget)
-            drafts = self._drafts_to_verify(seq, budget - num_new)
-            while drafts and not blocks.can_append(seq, seq.num_computed_tokens + num_new + len(drafts)):
-                drafts = drafts[:-1]  # guesses never take memory that would preempt a sequence
-            num_new += len(drafts)
             end = seq.num_computed_tokens + num_new
-            while not blocks.can_append(seq, end):
+            while not blocks.can_append(seq, end, num_new):
                 victim = self.running[-1]  # the newest running sequence gives its memory back
                 self._preempt(victim)
                 preempted = True
@@ -177,11 +173,14 @@ class Scheduler:
                     break
             if seq.status is SequenceStatus.WAITING:  # it preempted itself: nothing newer was left
                 break
-            copies = blocks.append_slots(seq, end)
+            copies = blocks.append_slots(seq, end, num_new)
             batch.items.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new, list(blocks.block_tables[seq]),
-                                                 copies, drafts))
+                                                 copies))
             budget -= num_new
             i += 1
+        # Speculation: drafts only from the budget every running sequence's own tokens left, in the same order.
+        for item in batch.items:
+            budget -= self._add_drafts(item, budget)
         now = time.perf_counter()
         while self.waiting and budget > 0 and not preempted:  # no admissions while memory is short
             seq = self.waiting[0]
@@ -211,13 +210,25 @@ class Scheduler:
             budget -= num_new
         return batch
 
-    @staticmethod
-    def _drafts_to_verify(seq: Sequence, budget: int) -> list[int]:
-        """The proposals a decoding sequence runs this step: within the token budget left after its own
-        token, and short of its max_tokens (it emits one token more than it keeps)."""
-        if not seq.draft_token_ids or seq.num_uncomputed_tokens != 1:
-            return []
-        return seq.draft_token_ids[: max(0, min(budget, seq.max_new_tokens - seq.num_output_tokens - 1))]
+    def _add_drafts(self, item: ScheduledSequence, budget: int) -> int:
+        """Give a decoding sequence's step the proposals it verifies after its own token: within `budget`, short of
+        its max_tokens (it emits one token more than it keeps), and only into free blocks (guesses never take
+        memory that would preempt a sequence). Returns how many it took."""
+        seq, blocks = item.seq, self.block_manager
+        if not seq.draft_token_ids or seq.num_uncomputed_tokens != 1 or item.num_new_tokens != 1:
+            return 0
+        drafts = seq.draft_token_ids[: max(0, min(budget, seq.max_new_tokens - seq.num_output_tokens - 1))]
+        end = item.start + 1
+        while drafts and not blocks.can_append(seq, end + len(drafts), 1 + len(drafts)):
+            drafts = drafts[:-1]
+        if not drafts:
+            return 0
+        # The write now spans 1 + k tokens: a block shared since a fork anywhere in it is copied too.
+        item.block_copies += blocks.append_slots(seq, end + len(drafts), 1 + len(drafts))
+        item.block_table = list(blocks.block_tables[seq])
+        item.num_new_tokens += len(drafts)
+        item.draft_token_ids = drafts
+        return len(drafts)
 
     def _preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: free the newest running sequence's blocks and queue it first."""
@@ -289,7 +300,8 @@ class Scheduler:
         for parent in [p for p in self.forks if p.request_id == request_id]:
             ended += self.forks.pop(parent)
         for seq in ended:
-            seq.finish(status, now)
+            if not seq.is_finished:  # one the output processor already ended keeps its reason
+                seq.finish(status, now)
         self.waiting = deque(seq for seq in self.waiting if seq.request_id != request_id)
         self.finish(ended)
         return ended

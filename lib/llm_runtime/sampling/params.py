@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import InvalidRequestError
 from .seeded import SeededGenerator
@@ -18,6 +18,11 @@ from .seeded import SeededGenerator
 GREEDY_TEMPERATURE = 1e-5
 # Seeds are 64-bit signed integers, as in vLLM's API (the seeded generator hashes all 64 bits).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def sibling_seed(seed: int, index: int) -> int:
+    """seed + index in the ring of 64-bit signed integers: what completion `index` of a seeded request uses."""
+    return (seed + index - SEED_MIN) % 2**64 + SEED_MIN
 
 
 class RequestOutputKind(enum.Enum):
@@ -137,6 +142,14 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def for_completion(self, index: int) -> "SamplingParams":
+        """The parameters of completion `index` of an n > 1 request: these, with seed + index when seeded (as
+        vLLM does), wrapped around within the 64-bit seed range, so that no seed a request may give makes a
+        sibling's parameters invalid (seed 2**63 - 1 and n = 2 give the second completion seed -2**63)."""
+        if self.seed is None or index == 0:
+            return self
+        return replace(self, seed=sibling_seed(self.seed, index))
 
     def make_generator(self) -> SeededGenerator | None:
         """A fresh generator seeded with `seed` (its noise is made on the logits' device), or None when the

@@ -227,16 +227,30 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def _apply_pending(self) -> None:
-        """Between steps: aborted requests leave (their blocks are freed, their ids free), new ones join."""
+        """Between steps: aborted requests leave (their blocks are freed, their ids free), new ones join.
+
+        Whatever goes wrong here for one request ends that request's stream alone (with the error, which the
+        server answers as 500), never the loop: the other requests and the ones still to come are served."""
         aborts, self._aborts = self._aborts, set()
         new, self._new = [r for r in self._new if r.request_id not in aborts], []
         for request_id in aborts:
-            if request_id in self.engine.requests:
-                self.engine.abort_request(request_id)
-            self._streams.pop(request_id, None)
+            stream = self._streams.pop(request_id, None)
             self.num_aborted += 1
+            try:
+                if request_id in self.engine.requests:
+                    self.engine.abort_request(request_id)
+            except Exception as error:
+                logger.exception("aborting request %s failed", request_id)
+                if stream is not None:
+                    stream._queue.put_nowait(error)
         for request in new:
-            self.engine.add_processed(request)
+            try:
+                self.engine.add_processed(request)
+            except Exception as error:
+                logger.exception("adding request %s failed; ending its stream", request.request_id)
+                stream = self._streams.pop(request.request_id, None)
+                if stream is not None:
+                    stream._queue.put_nowait(error)
 
     def _take_snapshot(self) -> EngineSnapshot:
         return EngineSnapshot(self.engine.stats(), self.engine.num_unfinished_requests())

@@ -5,84 +5,187 @@ or (on the CPU) the target itself with its weights in 4 bits (`{"method": "draft
 "quantization": "gguf"}`: the bundled model's own Q4_1 file), which reads a fifth of the bytes per step and
 agrees with the float32 model on most tokens (lesson 13).
 
-Per sequence it keeps a KV cache of its own (`ContiguousKVCache`) and the tokens that cache was computed
-for. Before a step it brings the cache up to the sequence's tokens: the prefix both share is kept (the drafts
-the target kept are exactly the draft's own tokens), the rest is run as one chunk, and then it decodes k
-tokens one at a time, each from its own logits: greedy requests take the argmax (a sure guess), sampled
-ones draw from the draft's distribution after the request's temperature, min-p, top-k and top-p, which
-the rejection sampler needs (`Sequence.draft_probs`). Any draft distribution keeps the output exact; a
-closer one keeps more of the guesses.
+Its keys and values live in a paged pool of its own (`PagedKVCache`, the engine's layout), with as many
+blocks as the engine's pool and a `BlockManager` of its own: the engine counts both pools in its KV budget,
+so speculation never takes memory the budget did not give it. Per sequence it keeps the tokens its blocks
+hold keys and values for. Before a step it brings every decoding sequence up to its tokens at once: the
+prefix both share is kept (the drafts the target kept are exactly the draft's own tokens), the rest (at
+least the last token) runs as one ragged batch over all the sequences, and then k - 1 more passes of one
+token per sequence draw the other guesses, each from its own logits: greedy requests take the argmax (a
+sure guess), sampled ones draw from the draft's distribution after the request's temperature, min-p,
+top-k and top-p, which the rejection sampler needs (`Sequence.draft_probs`). A seeded request draws its
+guesses from noise of its own seed (a stream apart from its verification's), so its output does not depend
+on what runs beside it. Any draft distribution keeps the output exact; a closer one keeps more guesses.
 
-The caches are not in the engine's KV budget: they are the draft's, sized to each sequence's longest
-length, and dropped when the sequence finishes or is preempted (`keep_only`).
+When the pool has no room for a sequence, that sequence gets no guesses this step (it decodes one token, as
+without speculation); a sequence that leaves (finished or preempted) gives its blocks back (`keep_only`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from ..attention.kv_cache import ContiguousKVCache
+from ..attention.backend import AttentionBackend, PagedAttentionStep
+from ..attention.kv_cache import PagedKVCache
+from ..attention.metadata import AttentionMetadata
+from ..attention.selector import select_backend
 from ..config import SpeculativeConfig
+from ..engine.block_manager import BlockManager
 from ..model import CausalLM, load_model
 from ..sampling import sampling_probs
+from ..sampling.seeded import exponential_noise
 
 if TYPE_CHECKING:
     from ..engine.sequence import Sequence
 
+# A seeded request's guesses come from seed ^ this: a noise stream apart from the one that verifies them.
+DRAFT_SEED_SALT = 0x2545F4914F6CDD1D
+
+
+def draft_seed(seed: int) -> int:
+    """The seed a seeded request's guesses are drawn with (in the 64-bit range, as `seed` is)."""
+    return seed ^ DRAFT_SEED_SALT
+
+
+@dataclass
+class _Plan:
+    """One sequence's proposal this step: its tokens, how many of them its blocks already hold, how many guesses."""
+
+    seq: Sequence
+    tokens: list[int]
+    num_cached: int
+    num_drafts: int
+
 
 class DraftModelProposer:
-    """Guesses k tokens per decoding sequence with `model`, one sequence at a time."""
+    """Guesses up to k tokens for every decoding sequence with `model`, all sequences in one batch per guess."""
 
-    def __init__(self, model: CausalLM, num_speculative_tokens: int, seed: int = 0) -> None:
+    def __init__(self, model: CausalLM, num_speculative_tokens: int, *, num_blocks: int, block_size: int = 16,
+                 attention_backend: AttentionBackend | None = None, seed: int = 0) -> None:
+        """A pool of `num_blocks` blocks of `block_size` tokens (the engine gives its own pool's); the attention
+        backend the engine runs (None: the one `select_backend` picks for the draft's device and dtype)."""
+        if attention_backend is None:
+            attention_backend = select_backend("auto", model.device, model.dtype, None, block_size)
         self.model = model
         self.num_speculative_tokens = num_speculative_tokens
-        self.generator = torch.Generator(device=model.device).manual_seed(seed)
-        self.caches: dict[Sequence, tuple[ContiguousKVCache, list[int]]] = {}  # cache, the tokens it holds
+        self.kv_cache = PagedKVCache.for_model(model.config, num_blocks, block_size, dtype=model.dtype,
+                                               device=model.device)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.attention_backend = attention_backend
+        self.generator = torch.Generator(device=model.device).manual_seed(seed)  # unseeded requests' noise
+        self.cached: dict[Sequence, list[int]] = {}  # per sequence: the tokens its blocks hold, in order
+
+    @property
+    def nbytes(self) -> int:
+        """The pool's bytes (fixed for the proposer's life)."""
+        return self.kv_cache.nbytes
 
     @torch.inference_mode()
     def propose(self, sequences: list[Sequence]) -> None:
-        """Set each sequence's `draft_token_ids` (k of them) and, for a sampled request, `draft_probs` (k, V)."""
+        """Set each sequence's `draft_token_ids` (up to k) and, for a sampled request, `draft_probs` (k, V)."""
         for seq in sequences:
-            self._propose(seq)
+            seq.draft_token_ids, seq.draft_probs = [], None
+        plans = [plan for plan in map(self._plan, sequences) if plan is not None]
+        drafts: dict[Sequence, list[int]] = {plan.seq: [] for plan in plans}
+        probs: dict[Sequence, list[torch.Tensor]] = {plan.seq: [] for plan in plans}
+        # First pass: what each sequence's blocks lack (at least its last token); then one guess per pass.
+        active = plans
+        chunks = [plan.tokens[plan.num_cached:] for plan in plans]
+        starts = [plan.num_cached for plan in plans]
+        for guess in range(max((plan.num_drafts for plan in plans), default=0)):
+            logits = self._forward([plan.seq for plan in active], starts, chunks)  # (len(active), vocab)
+            tokens = self._draw(active, logits, guess, probs)
+            for plan, token in zip(active, tokens):
+                drafts[plan.seq].append(token)
+            still = [i for i, plan in enumerate(active) if plan.num_drafts > guess + 1]
+            starts = [len(active[i].tokens) + guess for i in still]  # the guess just drawn runs next
+            chunks = [[tokens[i]] for i in still]
+            active = [active[i] for i in still]
+        for plan in plans:  # only now, after every pass ran: what the blocks hold (the last guess was not run)
+            seq = plan.seq
+            self.cached[seq] = plan.tokens + drafts[seq][:-1]
+            seq.draft_token_ids = drafts[seq]
+            seq.draft_probs = torch.stack(probs[seq]) if probs[seq] else None
 
     def keep_only(self, running: Collection[Sequence]) -> None:
-        """Drop the caches of sequences that finished or were preempted (a preempted one starts again)."""
-        for seq in [seq for seq in self.caches if seq not in running]:
-            del self.caches[seq]
+        """Give back the blocks of sequences that finished or were preempted (a preempted one starts again)."""
+        for seq in [seq for seq in self.cached if seq not in running]:
+            self._drop(seq)
 
-    def _propose(self, seq: Sequence) -> None:
-        k, model = self.num_speculative_tokens, self.model
+    def _drop(self, seq: Sequence) -> None:
+        del self.cached[seq]
+        if self.block_manager.has_blocks(seq):
+            self.block_manager.free(seq)
+
+    def _plan(self, seq: Sequence) -> _Plan | None:
+        """How many guesses `seq` gets (none past its max_tokens, none without room in the pool) and where its
+        blocks' keys stop being its tokens'; grows its blocks to hold its tokens and every guess but the last."""
         tokens = seq.prompt_token_ids + seq.output_token_ids
-        if seq not in self.caches:
-            longest = seq.num_prompt_tokens + seq.max_new_tokens + k
-            self.caches[seq] = (ContiguousKVCache.for_model(model.config, 1, longest, dtype=model.dtype,
-                                                            device=model.device), [])
-        cache, cached = self.caches[seq]
+        num_drafts = min(self.num_speculative_tokens, seq.max_new_tokens - seq.num_output_tokens - 1)
+        if num_drafts < 1:
+            return None
+        cached = self.cached.get(seq, [])
         shared = 0
-        while shared < min(len(cached), len(tokens) - 1) and cached[shared] == tokens[shared]:
+        limit = min(len(cached), len(tokens) - 1)  # the last token's keys are never cached yet
+        while shared < limit and cached[shared] == tokens[shared]:
             shared += 1
-        cache.num_tokens = shared  # keys past the shared prefix were for tokens since replaced: overwritten
-        pending = tokens[shared:]  # at least the last token, whose keys no step has computed yet
-        room = cache.max_seq_len - len(tokens)
-        drafts: list[int] = []
-        probs: list[torch.Tensor] = []
-        for _ in range(min(k, room)):
-            input_ids = torch.tensor([pending], device=model.device)  # (1, T)
-            logits = model.compute_logits(model(input_ids, cache)[:, -1])  # (1, vocab)
-            if seq.params.is_greedy:
-                token = int(logits.argmax(dim=-1))
-            else:
-                p = sampling_probs(logits, [seq.params])  # (1, vocab)
-                token = int(torch.multinomial(p, 1, generator=self.generator))
-                probs.append(p[0])
-            drafts.append(token)
-            pending = [token]
-        self.caches[seq] = (cache, tokens + drafts[:-1])  # the last draft was sampled, not run
-        seq.draft_token_ids = drafts
-        seq.draft_probs = torch.stack(probs) if probs else None
+        self.cached[seq] = tokens[:shared]  # true whatever happens next: positions past it are rewritten
+        blocks = self.block_manager
+        if not blocks.has_blocks(seq):
+            if blocks.num_free_blocks < 1:
+                self._drop(seq)
+                return None
+            blocks.allocate(seq, tokens[:1], use_cache=False)
+        while num_drafts > 0 and not blocks.can_append(seq, len(tokens) + num_drafts - 1):
+            num_drafts -= 1
+        if num_drafts == 0:  # no room even for its own tokens: its blocks go back to the others
+            self._drop(seq)
+            return None
+        blocks.append_slots(seq, len(tokens) + num_drafts - 1)
+        return _Plan(seq, tokens, shared, num_drafts)
+
+    def _forward(self, sequences: list[Sequence], starts: list[int], chunks: list[list[int]]) -> torch.Tensor:
+        """One ragged batch through the draft: chunk b at positions starts[b] onwards of sequence b; the logits of
+        each chunk's last token, (B, vocab)."""
+        model, block_size = self.model, self.kv_cache.block_size
+        counts = [len(chunk) for chunk in chunks]
+        metadata = AttentionMetadata.build([self.block_manager.block_tables[seq] for seq in sequences], starts, counts,
+                                           block_size=block_size, device=model.device)
+        input_ids = torch.tensor([[t for chunk in chunks for t in chunk]], device=model.device)  # (1, N)
+        positions = torch.tensor(np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts)]),
+                                 device=model.device)[None]  # (1, N)
+        hidden = model(input_ids, PagedAttentionStep(self.kv_cache, self.attention_backend, metadata), positions)
+        last_rows = torch.tensor(np.cumsum(counts) - 1, device=model.device)  # (B,)
+        return model.compute_logits(hidden[0, last_rows])  # (B, vocab)
+
+    def _draw(self, plans: list[_Plan], logits: torch.Tensor, guess: int,
+              probs: dict[Sequence, list[torch.Tensor]]) -> list[int]:
+        """Guess `guess` (0-based) of each sequence from its row of logits (B, vocab): the argmax for a greedy
+        request; for a sampled one a draw from its distribution (kept in `probs`), by an exponential race
+        with noise from its own seed at its output position (seeded) or from this proposer's generator."""
+        tokens = logits.argmax(dim=-1).tolist()  # the first of equal maxima, as the Sampler's greedy rows
+        sampled = [b for b, plan in enumerate(plans) if not plan.seq.params.is_greedy]
+        if not sampled:
+            return tokens
+        rows = torch.tensor(sampled, device=logits.device)
+        p = sampling_probs(logits[rows], [plans[b].seq.params for b in sampled])  # (S, vocab)
+        noise = torch.empty_like(p).exponential_(generator=self.generator)
+        seeded = [j for j, b in enumerate(sampled) if plans[b].seq.params.seed is not None]
+        if seeded:
+            seeds = torch.tensor([draft_seed(plans[sampled[j]].seq.params.seed) for j in seeded], dtype=torch.int64)
+            draws = torch.tensor([plans[sampled[j]].seq.num_output_tokens + guess for j in seeded], dtype=torch.int64)
+            noise[torch.tensor(seeded, device=p.device)] = exponential_noise(seeds.to(p.device), draws.to(p.device),
+                                                                             p.shape[1])
+        drawn = (p / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1).tolist()  # (S,)
+        for j, b in enumerate(sampled):
+            tokens[b] = drawn[j]
+            probs[plans[b].seq].append(p[j])
+        return tokens
 
 
 def load_draft_model(config: SpeculativeConfig, target: CausalLM) -> CausalLM:

@@ -44,7 +44,7 @@ def check_pool_blocks(fn: object) -> Verdict:
         rng = random.Random(6)
         model = tiny_model()
         bytes_per_token = model.config.kv_bytes_per_token(4)
-        held_by_others = CPU_DEVICE.held_bytes(model.device, besides=model)  # this process's live engines, weights
+        held_by_others = CPU_DEVICE.held_bytes(model.device, besides=[model])  # this process's live engines, weights
         out = []
         for headroom_binds in (True, False, True, False):  # few: each case collects garbage once (0.1-0.2 s)
             block_size = rng.choice([1, 4, 16])

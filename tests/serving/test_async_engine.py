@@ -1,0 +1,66 @@
+"""`AsyncLLMEngine`'s loop: whatever it does between steps for one request fails that request's stream alone.
+
+A tiny random-weight model over the bundled tokenizer (milliseconds a step): these tests are about the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from llm_runtime import EngineConfig, LLMEngine, SamplingParams
+from llm_runtime.serving.async_engine import AsyncLLMEngine
+
+
+async def _final_text(stream) -> str:
+    text = ""
+    async for output in stream:
+        text = output.outputs[0].text
+    return text
+
+
+def test_a_request_that_fails_to_join_ends_its_own_stream_and_the_loop_goes_on(tiny_chat_model) -> None:
+    model, tokenizer = tiny_chat_model
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=64))
+    add = engine.add_processed
+
+    def failing_add(request):
+        if request.request_id == "bad":
+            raise RuntimeError("injected: this request cannot join")
+        add(request)
+
+    engine.add_processed = failing_add
+
+    async def scenario():
+        async_engine = AsyncLLMEngine(engine)
+        await async_engine.start()
+        params = SamplingParams(temperature=0, max_tokens=4)
+        bad = await async_engine.add_request("Hello", params, request_id="bad")
+        good = await async_engine.add_request("Hello", params, request_id="good")
+        outcome = await asyncio.gather(_final_text(bad), _final_text(good), return_exceptions=True)
+        later = await _final_text(await async_engine.add_request("Hello", params))
+        running = async_engine.is_running
+        await async_engine.stop()
+        return outcome, later, running
+
+    (bad, good), later, running = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+    assert isinstance(bad, RuntimeError) and "cannot join" in str(bad)
+    assert isinstance(good, str) and later == good and running
+
+
+def test_a_seed_at_the_top_of_its_range_with_n_2_is_served(tiny_chat_model) -> None:
+    """The second completion of seed 2**63 - 1 gets seed -2**63; before, its parameters failed validation inside
+    the loop, which stopped, and every later request was refused."""
+    model, tokenizer = tiny_chat_model
+
+    async def scenario():
+        async_engine = AsyncLLMEngine(LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=64)))
+        await async_engine.start()
+        stream = await async_engine.add_request("Hello", SamplingParams(n=2, seed=2**63 - 1, max_tokens=4))
+        outputs = [output async for output in stream]
+        after = await _final_text(await async_engine.add_request("Hello", SamplingParams(max_tokens=2)))
+        running = async_engine.is_running
+        await async_engine.stop()
+        return outputs[-1], after, running
+
+    final, after, running = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+    assert final.finished and len(final.outputs) == 2 and running and isinstance(after, str)
