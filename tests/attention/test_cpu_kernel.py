@@ -401,6 +401,53 @@ def test_the_operator_for_compiled_graphs_stores_then_attends_as_the_backend_doe
                                         *inputs)
 
 
+def operator_inputs() -> list[torch.Tensor]:
+    """Arguments of `cpu_paged_attention` in its schema's order: query, key, value, key_pool, value_pool,
+    slot_mapping, block_tables, seq_lens, rows; 2 of 3 rows attended, over pools of 6 blocks of 4."""
+    gen = torch.Generator().manual_seed(0)
+    pools = [torch.randn(6, 4, 2, 64, generator=gen) for _ in range(2)]
+    query = torch.randn(3, 6, 64, generator=gen)
+    key, value = (torch.randn(3, 2, 64, generator=gen) for _ in range(2))
+    tables = torch.tensor([[3, 1, 0], [2, 5, 4]], dtype=torch.int32)
+    return [query, key, value, *pools, torch.tensor([5, 9, -1]), tables, torch.tensor([6, 10], dtype=torch.int32),
+            torch.tensor([0, 1])]
+
+
+# (what is wrong, the argument, its replacement, the error, its message): each would have the C code read
+# outside a tensor, or read one as the wrong type. The operator is public (torch.ops.llm_runtime), so it checks.
+QUERY, SLOTS, TABLES, LENGTHS, ROWS = 0, 5, 6, 7, 8
+BAD_OPERATOR_INPUTS = [
+    ("tables-int64", TABLES, lambda t: t.long(), TypeError, "int32"),
+    ("lengths-int64", LENGTHS, lambda t: t.long(), TypeError, "int32"),
+    ("rows-int32", ROWS, lambda t: t.int(), TypeError, "int64"),
+    ("slots-int32", SLOTS, lambda t: t.int(), TypeError, "int64"),
+    ("tables-strided", TABLES, lambda t: t.repeat_interleave(2, dim=1)[:, ::2], ValueError, "contiguous"),
+    ("tables-1d", TABLES, lambda t: t.flatten(), ValueError, "shapes disagree"),
+    ("lengths-short", LENGTHS, lambda t: t[:1], ValueError, "shapes disagree"),
+    ("block-past-the-pool", TABLES, lambda t: torch.tensor([[3, 1, 0], [2, 5, 6]], dtype=torch.int32), ValueError,
+     "block table entries"),
+    ("negative-block", TABLES, lambda t: torch.tensor([[3, 1, 0], [2, -1, 4]], dtype=torch.int32), ValueError,
+     "block table entries"),
+    ("length-past-the-table", LENGTHS, lambda t: torch.tensor([6, 13], dtype=torch.int32), ValueError, "seq_lens"),
+    ("row-past-the-batch", ROWS, lambda t: torch.tensor([0, 3]), ValueError, "rows"),
+    ("query-head-dim", QUERY, lambda q: q[..., :32].contiguous(), ValueError, "shapes disagree"),
+]
+
+
+@pytest.mark.parametrize("what,argument,replace_with,error,message", BAD_OPERATOR_INPUTS,
+                         ids=[case[0] for case in BAD_OPERATOR_INPUTS])
+def test_the_operator_refuses_what_the_c_code_would_misread_and_writes_nothing(what, argument, replace_with, error,
+                                                                             message) -> None:
+    inputs = operator_inputs()
+    assert cpu_kernels.cpu_paged_attention(*inputs).shape == (3, 6, 64)  # as given, they are fine
+    inputs = operator_inputs()
+    inputs[argument] = replace_with(inputs[argument])
+    pools = [pool.clone() for pool in inputs[3:5]]
+    with pytest.raises(error, match=message):
+        cpu_kernels.cpu_paged_attention(*inputs)
+    assert torch.equal(inputs[3], pools[0]) and torch.equal(inputs[4], pools[1])  # refused before the store
+
+
 def test_a_step_with_a_long_chunk_has_no_compiled_inputs() -> None:
     metadata, pools, _ = random_step([0, 9], [600, 1], 2, 2, 64)
     backend = CpuKernelBackend()

@@ -9,10 +9,12 @@ T4 and an H100 (no GPU needed for that).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -201,6 +203,77 @@ def test_is_available(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "CUDA" in TritonBackend.is_available(torch.device("cpu"), torch.float32)
 
 
+class _RecordingKernel:
+    """Stands in for a Triton kernel: records whether each launch happens under a device guard, then launches."""
+
+    def __init__(self, kernel, name: str, guards: list, launches: list) -> None:
+        self.kernel, self.name, self.guards, self.launches = kernel, name, guards, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((self.name, list(self.guards)))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_every_launch_is_under_the_device_guard_of_its_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton launches on the current CUDA device, not on its tensors' one: for an engine on cuda:1 while cuda:0
+    is current, a launch outside a guard runs on the wrong GPU. Every launch of every path is inside one, entered
+    with the query's (or the new keys') device."""
+    from llm_runtime.attention import triton_kernels
+
+    guards: list[torch.device] = []  # the guards entered and not yet left
+    launches: list[tuple[str, list[torch.device]]] = []
+
+    @contextlib.contextmanager
+    def recording_guard(tensor: torch.Tensor):
+        guards.append(tensor.device)
+        try:
+            yield
+        finally:
+            guards.pop()
+
+    monkeypatch.setattr(triton_kernels, "_on_device", recording_guard, raising=False)
+    for name in ("store_kv_kernel", "unified_attention_kernel", "split_kv_decode_kernel", "split_kv_reduce_kernel"):
+        monkeypatch.setattr(triton_kernels, name, _RecordingKernel(getattr(triton_kernels, name), name, guards,
+                                                                   launches))
+    batch = random_batch([0, 20], [3, 1], 4, 2, 32)
+    key = torch.zeros(batch.query.shape[0], 2, 32, device=DEVICE)
+    TritonBackend().store_kv(batch.key_pool, batch.value_pool, batch.metadata.slot_mapping, key, key)
+    run_triton(batch, TritonBackend(split_kv="never"))
+    run_triton(random_batch([40, 70], [1, 1], 4, 2, 32), TritonBackend(split_kv="always", partition_size=32))
+    assert [name for name, _ in launches] == ["store_kv_kernel", "unified_attention_kernel",
+                                              "split_kv_decode_kernel", "split_kv_reduce_kernel"]
+    assert all(entered == [DEVICE] for _, entered in launches), launches
+    assert guards == []  # and left after
+
+
+def test_the_guard_is_the_tensors_cuda_device_and_none_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from llm_runtime.attention import triton_kernels
+
+    entered: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "device", lambda device: entered.append(device) or contextlib.nullcontext())
+    with triton_kernels._on_device(SimpleNamespace(device=torch.device("cuda", 1))):
+        pass
+    assert entered == [torch.device("cuda", 1)]
+    with triton_kernels._on_device(torch.zeros(1)):  # the interpreter: no CUDA device to switch to
+        pass
+    assert entered == [torch.device("cuda", 1)]
+
+
+def test_tensors_on_another_device_than_the_query_are_refused() -> None:
+    from llm_runtime.attention import triton_kernels
+
+    batch = random_batch([0, 20], [3, 1], 4, 2, 32)
+    m = batch.metadata
+    with pytest.raises(ValueError, match="device"):
+        triton_kernels.unified_attention(batch.query, batch.key_pool, batch.value_pool, m.block_tables.to("meta"),
+                                         m.seq_lens, m.query_start_loc, max_query_len=3, scale=1.0)
+    with pytest.raises(ValueError, match="device"):
+        triton_kernels.store_kv(batch.query[:, :2], batch.query[:, :2], batch.key_pool, batch.value_pool,
+                                m.slot_mapping.to("meta"))
+
+
 def test_end_to_end_through_paged_attention_step(tmp_path) -> None:
     """A tiny float32 model runs three steps (prefills, then an extend and a decode next to a new
     prefill) through PagedAttentionStep; Triton's hidden states equal torch-gather's."""
@@ -300,3 +373,30 @@ def test_gpu_larger_shapes(dtype: torch.dtype) -> None:
     decodes = random_batch([2047, 1000, 5, 4000], [1, 1, 1, 1], 32, 8, 128, dtype)
     assert_matches_reference(decodes, TritonBackend(split_kv="always", partition_size=512))
     assert_matches_reference(decodes, TritonBackend(split_kv="auto", partition_size=512))
+
+
+def _on(batch: Batch, device: torch.device) -> Batch:
+    """The same batch with every tensor, the metadata's too, on `device`."""
+    m = batch.metadata
+    metadata = AttentionMetadata.build(m.block_tables_host, m.context_lens_host, m.query_lens_host,
+                                       block_size=m.block_size, device=device)
+    return Batch(batch.query.to(device), batch.key_pool.to(device), batch.value_pool.to(device), metadata)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_gpu_tensors_on_the_second_device_are_attended_there_while_the_first_is_current() -> None:
+    """An engine on cuda:1: the kernels run there (right answers, no illegal address) with cuda:0 current."""
+    second = torch.device("cuda", 1)
+    mixed = _on(random_batch(MIXED_CONTEXTS, MIXED_QUERIES, 6, 2, 64), second)
+    decodes = _on(random_batch(DECODE_CONTEXTS, [1] * len(DECODE_CONTEXTS), 6, 2, 64), second)
+    with torch.cuda.device(0):
+        assert_matches_reference(mixed, TritonBackend(split_kv="never"))
+        assert_matches_reference(decodes, TritonBackend(split_kv="always", partition_size=32))
+        key_pool = torch.zeros_like(mixed.key_pool)
+        new = torch.randn(mixed.query.shape[0], 2, 64, device=second)
+        TritonBackend().store_kv(key_pool, key_pool.clone(), mixed.metadata.slot_mapping, new, new)
+        torch.cuda.synchronize(second)
+        assert torch.cuda.current_device() == 0
+    stored = key_pool.view(-1, 2, 64)[mixed.metadata.slot_mapping]
+    assert torch.equal(stored, new)

@@ -82,6 +82,43 @@ def test_the_cpp_attention_refuses_what_the_python_one_refuses() -> None:
         attention(*inputs)
 
 
+# (what is wrong, the argument, its replacement, the error, its message), as for the Python operator
+# (tests/attention/test_cpu_kernel.py): each would have the C code read outside a tensor or as the wrong type.
+QUERY, SLOTS, TABLES, LENGTHS, ROWS = 0, 5, 6, 7, 8
+BAD_INPUTS = [
+    ("tables-int64", TABLES, lambda t: t.long(), TypeError, "int32"),
+    ("lengths-int64", LENGTHS, lambda t: t.long(), TypeError, "int32"),
+    ("rows-int32", ROWS, lambda t: t.int(), TypeError, "int64"),
+    ("slots-int32", SLOTS, lambda t: t.int(), TypeError, "int64"),
+    ("tables-strided", TABLES, lambda t: t.repeat_interleave(2, dim=1)[:, ::2], ValueError, "contiguous"),
+    ("tables-1d", TABLES, lambda t: t.flatten(), ValueError, "shapes disagree"),
+    ("rows-2d", ROWS, lambda t: t[:, None], ValueError, "shapes disagree"),
+    ("lengths-short", LENGTHS, lambda t: t[:1], ValueError, "shapes disagree"),
+    ("block-past-the-pool", TABLES, lambda t: torch.tensor([[3, 1, 0], [2, 5, 6]], dtype=torch.int32), ValueError,
+     "block table entries"),
+    ("negative-block", TABLES, lambda t: torch.tensor([[3, 1, 0], [2, -1, 4]], dtype=torch.int32), ValueError,
+     "block table entries"),
+    ("length-past-the-table", LENGTHS, lambda t: torch.tensor([6, 13], dtype=torch.int32), ValueError, "seq_lens"),
+    ("empty-length", LENGTHS, lambda t: torch.tensor([6, 0], dtype=torch.int32), ValueError, "seq_lens"),
+    ("row-past-the-batch", ROWS, lambda t: torch.tensor([0, 3]), ValueError, "rows"),
+    ("query-head-dim", QUERY, lambda q: q[..., :32].contiguous(), ValueError, "shapes disagree"),
+]
+
+
+@pytest.mark.parametrize("what,argument,replace_with,error,message", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])
+def test_the_cpp_attention_refuses_what_the_c_code_would_misread_and_writes_nothing(what, argument, replace_with,
+                                                                                 error, message) -> None:
+    inputs = list(_attention_inputs(torch.float32))
+    inputs[argument] = replace_with(inputs[argument])
+    pools = [pool.clone() for pool in inputs[3:5]]
+    with pytest.raises(error, match=message):
+        _native("cpu_paged_attention")(*inputs)
+    assert torch.equal(inputs[3], pools[0]) and torch.equal(inputs[4], pools[1])  # refused before the store
+    with pytest.raises(error, match=message):  # as the Python operator does
+        cpu_kernels.cpu_paged_attention(*_attention_inputs(torch.float32)[:argument], inputs[argument],
+                                        *_attention_inputs(torch.float32)[argument + 1:])
+
+
 def _traced_targets(layer: torch.nn.Module, x: torch.Tensor) -> set[str]:
     targets: set[str] = set()
 

@@ -180,30 +180,47 @@ def _paged_decode(symbol: str, query: torch.Tensor, key_pool: torch.Tensor, valu
                   indices_checked: bool, key_extras: tuple[torch.Tensor, ...] = ()) -> None:
     """The checks every variant shares (devices, layouts, shapes, indices), then the C call `symbol`
     (dtypes already checked by the caller; `key_extras` checked there too)."""
-    tensors = (query, key_pool, value_pool, block_tables, seq_lens, rows, out)
+    _check_decode_inputs(query, key_pool, value_pool, block_tables, seq_lens, rows, out)
+    if rows.shape[0] == 0:
+        return
+    if not indices_checked:
+        check_indices(block_tables, seq_lens, rows, num_rows=query.shape[0], num_blocks=key_pool.shape[0],
+                      block_size=key_pool.shape[1])
+    _call_paged_decode(symbol, query, key_pool, value_pool, block_tables, seq_lens, rows, out, key_extras)
+
+
+def _check_decode_inputs(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor,
+                         out: torch.Tensor | None) -> None:
+    """What the C attention assumes of its tensors, short of the indices' values (`check_indices`): the CPU,
+    the index tensors' dtypes (read through int32 and int64 pointers), every shape and layout. The C code is
+    handed raw pointers, so a tensor that is not what it assumes would be read past its end. `out`: None
+    where the caller allocates it."""
+    tensors = (query, key_pool, value_pool, block_tables, seq_lens, rows, *(() if out is None else (out,)))
     if any(t.device.type != "cpu" for t in tensors):
         raise ValueError("the C kernel runs on CPU tensors only")
-    if not (key_pool.is_contiguous() and value_pool.is_contiguous() and out.is_contiguous()
+    if not (key_pool.is_contiguous() and value_pool.is_contiguous() and (out is None or out.is_contiguous())
             and block_tables.is_contiguous() and seq_lens.is_contiguous() and rows.is_contiguous()):
         raise ValueError("pools, out, block_tables, seq_lens and rows must be contiguous")
     if query.stride(-1) != 1:
         raise ValueError("query's last dimension must be contiguous")
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or rows.dtype != torch.int64:
-        raise TypeError("block_tables and seq_lens are int32, rows int64")
+        raise TypeError(f"block_tables and seq_lens are int32, rows int64; got {block_tables.dtype}, "
+                        f"{seq_lens.dtype}, {rows.dtype}")
+    if (query.dim() != 3 or key_pool.dim() != 4 or block_tables.dim() != 2 or seq_lens.dim() != 1
+            or rows.dim() != 1):
+        raise ValueError(f"shapes disagree: query {tuple(query.shape)} (N, H, d), pools {tuple(key_pool.shape)} "
+                         f"(blocks, block_size, KV, d), block_tables {tuple(block_tables.shape)} (B, max_blocks), "
+                         f"seq_lens {tuple(seq_lens.shape)} (B,), rows {tuple(rows.shape)} (B,)")
     num_seqs = rows.shape[0]
     if block_tables.shape[0] != num_seqs or seq_lens.shape[0] != num_seqs:
-        raise ValueError(f"{num_seqs} rows but {block_tables.shape[0]} block tables, {seq_lens.shape[0]} lengths")
-    _, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, pool_head_dim = key_pool.shape
-    if out.shape != query.shape or pool_head_dim != head_dim or value_pool.shape != key_pool.shape:
-        raise ValueError(f"shapes disagree: query {tuple(query.shape)}, out {tuple(out.shape)}, "
+        raise ValueError(f"shapes disagree: {num_seqs} rows but {block_tables.shape[0]} block tables, "
+                         f"{seq_lens.shape[0]} lengths")
+    if (out is not None and out.shape != query.shape) or key_pool.shape[3] != query.shape[2] \
+            or value_pool.shape != key_pool.shape:
+        out_shape = None if out is None else tuple(out.shape)
+        raise ValueError(f"shapes disagree: query {tuple(query.shape)}, out {out_shape}, "
                          f"pools {tuple(key_pool.shape)} / {tuple(value_pool.shape)}")
-    if num_seqs == 0:
-        return
-    if not indices_checked:
-        check_indices(block_tables, seq_lens, rows, num_rows=query.shape[0], num_blocks=key_pool.shape[0],
-                      block_size=block_size)
-    _call_paged_decode(symbol, query, key_pool, value_pool, block_tables, seq_lens, rows, out, key_extras)
 
 
 def _call_paged_decode(symbol: str, query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
@@ -229,6 +246,13 @@ def store_kv(key_pool: torch.Tensor, value_pool: torch.Tensor, slot_mapping: tor
     """Write key, value (N, KV, d) at flat slots `slot_mapping` (N,) of the pools (num_blocks, block_size,
     KV, d); -1 writes nowhere. The same contract as `AttentionBackend.store_kv`, in one C call
     (csrc/store_kv.c). ValueError, with nothing written, if a slot lies outside the pool."""
+    _check_store_inputs(key_pool, value_pool, slot_mapping, key, value)
+    _call_store_kv(key_pool, value_pool, slot_mapping, key, value)
+
+
+def _check_store_inputs(key_pool: torch.Tensor, value_pool: torch.Tensor, slot_mapping: torch.Tensor,
+                        key: torch.Tensor, value: torch.Tensor) -> None:
+    """What the C store assumes of its tensors (it checks the slots' values itself)."""
     if not (key.dtype == value.dtype == key_pool.dtype == value_pool.dtype):
         raise TypeError(f"key {key.dtype}, value {value.dtype} and pools {key_pool.dtype}/{value_pool.dtype} "
                         f"must share one dtype")
@@ -240,12 +264,13 @@ def store_kv(key_pool: torch.Tensor, value_pool: torch.Tensor, slot_mapping: tor
         raise ValueError("key's and value's last dimension must be contiguous")
     if slot_mapping.dtype != torch.int64:
         raise TypeError(f"slot_mapping is int64, got {slot_mapping.dtype}")
-    num_rows, num_kv_heads, head_dim = key.shape
-    if value.shape != key.shape or key_pool.shape[2:] != key.shape[1:] or value_pool.shape != key_pool.shape \
-            or slot_mapping.shape != (num_rows,):
+    if key.dim() != 3:
+        raise ValueError(f"shapes disagree: key {tuple(key.shape)} is not (N, KV, d)")
+    num_rows = key.shape[0]
+    if value.shape != key.shape or key_pool.dim() != 4 or key_pool.shape[2:] != key.shape[1:] \
+            or value_pool.shape != key_pool.shape or slot_mapping.shape != (num_rows,):
         raise ValueError(f"shapes disagree: key {tuple(key.shape)}, value {tuple(value.shape)}, pools "
                          f"{tuple(key_pool.shape)} / {tuple(value_pool.shape)}, slots {tuple(slot_mapping.shape)}")
-    _call_store_kv(key_pool, value_pool, slot_mapping, key, value)
 
 
 def store_kv_int8(pools: QuantizedPools, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -313,14 +338,20 @@ def _cpu_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
                         value_pool: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """`store_kv` of this step's key, value (N, KV, d), then `paged_decode` of query (N, H, d) for every row of
-    `rows`: out (N, H, d). One layer's attention as one operator, for a compiled forward pass, which checks
-    what the C code trusts once per step rather than per layer: the pools' layout when it is built, the rows'
-    indices in the plan (`check_indices`); here only what is cheap (dtypes, strides; the C store checks slots)."""
+    `rows`: out (N, H, d). One layer's attention as one operator, for a compiled forward pass.
+
+    The operator is public (torch.ops.llm_runtime.cpu_paged_attention), so it checks everything the C code
+    trusts, as `store_kv` and `paged_decode` do, before anything is written: dtypes, shapes, layouts and the
+    indices (`check_indices`: a few reductions over the small index tensors, about 9 us a call on the 2-core
+    CI machine; the C++ twin does it in a loop, native/csrc/operators.cpp)."""
     if not (query.dtype == key.dtype == value.dtype == key_pool.dtype == value_pool.dtype) or query.dtype not in KERNEL_DTYPES:
         raise TypeError(f"query, key, value and pools of one dtype in {', '.join(map(str, KERNEL_DTYPES))}")
-    if not (query.stride(-1) == key.stride(-1) == value.stride(-1) == 1 and key_pool.is_contiguous()
-            and value_pool.is_contiguous()):
-        raise ValueError("query, key and value need a contiguous last dimension, the pools to be contiguous")
+    _check_store_inputs(key_pool, value_pool, slot_mapping, key, value)
+    _check_decode_inputs(query, key_pool, value_pool, block_tables, seq_lens, rows, None)
+    if key.shape[0] != query.shape[0]:
+        raise ValueError(f"shapes disagree: {query.shape[0]} query rows but {key.shape[0]} keys")
+    check_indices(block_tables, seq_lens, rows, num_rows=query.shape[0], num_blocks=key_pool.shape[0],
+                  block_size=key_pool.shape[1])
     _call_store_kv(key_pool, value_pool, slot_mapping, key, value)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # (N, H, d), contiguous
     _call_paged_decode(KERNEL_DTYPES[query.dtype], query, key_pool, value_pool, block_tables, seq_lens, rows, out)

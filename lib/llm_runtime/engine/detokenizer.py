@@ -4,6 +4,17 @@ One token is not always whole text: byte-level BPE splits an emoji or a CJK char
 tokens, and decoding a prefix of them yields the replacement character U+FFFD. So we decode a small
 window of recent tokens, and release text only once it no longer ends in an incomplete character.
 Invariant: the deltas joined equal the decoded text of all the tokens.
+
+The window is what is re-decoded for every token, so it must stay short. Holding text back lets it grow:
+while the new tokens decode to nothing (special tokens skipped) or end inside a character, each token
+decodes them all again. A character is at most 4 bytes, and real text ends a character within a token
+or two (the bundled tokenizer on CJK, emoji and mixed scripts: at most 2 held back), but a model can
+emit anything: a thousand lone lead bytes would cost a thousand decodes of growing length each. So once
+`_MAX_PENDING_TOKENS` are held back, the text is released up to the last of them after which it does not
+end inside a character (a whole one, or no new text), or, if there is none, as it decodes, replacement
+characters included (as `flush` does at the end). The deltas still join to the whole decoded text, except
+that bytes cut apart there decode as replacement characters; and no decode covers more than twice that
+bound of tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +27,8 @@ from ..model.tokenizer import Tokenizer
 # decode the first generated token as they would in the middle of the text.
 _CONTEXT_TOKENS = 5
 _INCOMPLETE = "\ufffd"
+# Tokens held back before text is released anyway (module docstring): past the 4 bytes of any character.
+_MAX_PENDING_TOKENS = 8
 
 
 class IncrementalDetokenizer:
@@ -46,10 +59,23 @@ class IncrementalDetokenizer:
         if self.read_offset == len(self.tokens):
             return ""
         prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
-        full_text = self._decode(self.tokens[self.prefix_offset :])
-        if len(full_text) <= len(prefix_text) and not final:
-            return ""  # e.g. a special token skipped in the output
-        if full_text.endswith(_INCOMPLETE) and not final:
-            return ""  # wait for the rest of the character's bytes
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        end = len(self.tokens)
+        full_text = self._decode(self.tokens[self.prefix_offset : end])
+        if not final and not _is_whole(full_text, prefix_text):
+            if end - self.read_offset < _MAX_PENDING_TOKENS:
+                # Nothing new (e.g. a special token skipped in the output), or the rest of a character's
+                # bytes is still to come: wait.
+                return ""
+            # Held back too long: up to the last token after which no character is cut, else all of it.
+            for cut in range(end - 1, self.read_offset, -1):
+                text = self._decode(self.tokens[self.prefix_offset : cut])
+                if not text.endswith(_INCOMPLETE):
+                    end, full_text = cut, text
+                    break
+        self.prefix_offset, self.read_offset = self.read_offset, end
         return full_text[len(prefix_text) :]
+
+
+def _is_whole(text: str, prefix_text: str) -> bool:
+    """Whether `text` (the window decoded) has new text past `prefix_text` and ends on a whole character."""
+    return len(text) > len(prefix_text) and not text.endswith(_INCOMPLETE)

@@ -14,6 +14,14 @@ values (the class of bug vLLM fixed as a security advisory).
 A block that no sequence holds any more keeps its name and contents here, in least-recently-used
 order, until the allocator needs it for something else (eviction). SGLang keeps the same
 information as a radix tree of token sequences; lesson 08 compares them.
+
+The entries form that tree too (`CachedBlock.children`), and eviction keeps it whole: an entry is only
+reachable through its parent, so it must not outlive it. Named and unused, a child of an evicted
+entry would take a place in the LRU list that no lookup can ever hit, and its key would keep the same
+prefix, computed again, from being named. So `evict` takes a parked descendant of the least recently
+parked block before the block itself (leaves first, as the sequences' own tails are parked first),
+and when a block does go, the descendants still in use lose their names (they return to the
+allocator as plain free blocks when let go), and nothing is named after them.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import secrets
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence as TokenList
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def block_hash(parent_key: bytes, token_ids: TokenList[int]) -> bytes:
@@ -37,21 +45,25 @@ def block_hash(parent_key: bytes, token_ids: TokenList[int]) -> bytes:
 class CachedBlock:
     """A full, computed block named in the cache: its key, its own tokens, and the cached block before it.
 
-    Compared by identity: `parent is` the entry a lookup matched one block earlier, or None for block 0.
+    Compared by identity: `parent is` the entry a lookup matched one block earlier, or None for block 0;
+    `children` are the named entries whose parent this is, in the order they were named.
     """
 
     block: int
     key: bytes
     token_ids: tuple[int, ...]
     parent: "CachedBlock | None"
+    children: dict["CachedBlock", None] = field(default_factory=dict, repr=False)
 
 
 class PrefixCache:
     """The named blocks (key <-> block) and the LRU list of those no one holds.
 
-    Invariants: `by_key` and `by_block` hold the same entries; every block in `evictable` is named.
+    Invariants: `by_key` and `by_block` hold the same entries; every block in `evictable` is named;
+    every named entry's parent is named (so a lookup from the root can reach every entry).
     The allocator tells the cache when a block's last holder lets go (`park`) and when a parked
-    block is taken again (`revive`); `evict` hands back the least recently parked one, name dropped.
+    block is taken again (`revive`); `evict` hands back a parked block, name dropped: the least
+    recently parked one, or one of its parked descendants first.
     """
 
     def __init__(self, root: bytes | None = None) -> None:
@@ -95,10 +107,13 @@ class PrefixCache:
 
         First writer wins: when an equal block (same parent, same tokens) is named already, that
         entry stands for this one too and this copy stays unnamed. None when the key is taken by a
-        different block (a hash collision): then nothing after this block can be named for its sequence.
+        different block (a hash collision), or when `parent` was evicted since (no lookup could reach
+        this block): then nothing after this block can be named for its sequence.
         """
         if block in self.by_block:
             return self.by_block[block]
+        if parent is not None and self.by_block.get(parent.block) is not parent:
+            return None
         key = self.key(parent, token_ids)
         existing = self.by_key.get(key)
         if existing is not None:
@@ -107,6 +122,8 @@ class PrefixCache:
         entry = CachedBlock(block, key, tuple(token_ids), parent)
         self.by_key[key] = entry
         self.by_block[block] = entry
+        if parent is not None:
+            parent.children[entry] = None
         return entry
 
     def park(self, block: int) -> None:
@@ -118,12 +135,42 @@ class PrefixCache:
         del self.evictable[block]
 
     def evict(self) -> int:
-        """Forget the least recently parked block and return it for reuse.
+        """Forget a parked block and return it for reuse: the least recently parked one, unless blocks that
+        continue it are parked too; then the deepest of those, which costs no other entry its place.
 
-        Cached blocks that continue it stay named but can no longer be matched (their parent is
-        gone from the cache), so they age out of the LRU list like any other.
+        When a block goes, the blocks after it that are still in use lose their names (module docstring).
         """
-        block, _ = self.evictable.popitem(last=False)
-        entry = self.by_block.pop(block)
-        del self.by_key[entry.key]
-        return block
+        oldest = self.by_block[next(iter(self.evictable))]
+        entry = self._parked_leaf(oldest)
+        del self.evictable[entry.block]
+        self._forget(entry)
+        return entry.block
+
+    def _parked_leaf(self, entry: CachedBlock) -> CachedBlock:
+        """A parked entry of the tree under the parked `entry` (itself included) with no parked entry under it."""
+        while True:
+            below = self._first_parked_below(entry)
+            if below is None:
+                return entry
+            entry = below
+
+    def _first_parked_below(self, entry: CachedBlock) -> CachedBlock | None:
+        stack = list(reversed(entry.children))  # depth first, in the order they were named
+        while stack:
+            node = stack.pop()
+            if node.block in self.evictable:
+                return node
+            stack.extend(reversed(node.children))
+        return None
+
+    def _forget(self, entry: CachedBlock) -> None:
+        """Drop the names of `entry` and of every entry under it (in use: a parked one would have gone first)."""
+        if entry.parent is not None:
+            del entry.parent.children[entry]
+        stack = [entry]
+        while stack:
+            node = stack.pop()
+            del self.by_block[node.block]
+            del self.by_key[node.key]
+            stack.extend(node.children)
+            node.children.clear()

@@ -3,9 +3,15 @@
 PyTorch has no CPU operator for a few things this engine needs (attention over a paged pool, an 8-bit
 weight table's product), so the package brings them as plain C files with OpenMP. They include no
 PyTorch header, so the system C compiler builds one in about a second the first time a process needs
-it; the shared library is cached under $XDG_CACHE_HOME/llm_runtime/kernels, keyed by the sources, the
-compiler flags and the machine, and loaded with ctypes. OpenMP there is the same libgomp PyTorch already
-loaded, so the kernels' threads are PyTorch's.
+it; the shared library is cached under $XDG_CACHE_HOME/llm_runtime/kernels and loaded with ctypes. OpenMP
+there is the same libgomp PyTorch already loaded, so the kernels' threads are PyTorch's.
+
+The cache is keyed on what the machine code depends on (`_cache_key`): the sources, each compiler and its
+version, the flags, and the instruction set they select, as the compiler resolves them here (`-march=native`
+becomes a named CPU and its list of extensions, `_compiler_target`), plus, for a build for the native CPU,
+the CPU's own flags (`_cpu_flags`). Not the host's name: a cache folder copied to (or shared with) a machine
+whose CPU lacks an instruction the build used must build again, not load code that dies of SIGILL, and the
+same CPU under another name may reuse it.
 
 Each caller gives its flag sets, tried in order (the fastest build the compiler accepts first); when no
 compiler is found or every flag set fails, `build_library` raises `KernelUnavailable` with the
@@ -19,9 +25,11 @@ compiled beside it: about 10 s the first time, cached the same way.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -46,13 +54,80 @@ class KernelUnavailable(RuntimeError):
     """A C kernel cannot be built or loaded here (no compiler, or it rejected every flag set)."""
 
 
-def _cache_key(compiler: str, flags: tuple[str, ...], sources: list[Path]) -> str:
+def _cache_key(compilers: tuple[str, ...], flags: tuple[str, ...], sources: list[Path],
+               extra: tuple[str, ...] = ()) -> str:
+    """The name of a build: a digest of everything its machine code depends on (the module docstring).
+    `flags` is the flag set (what selects the target); `extra`, what else the build was given (-D flags, the
+    torch version of a library built against torch's headers)."""
     digest = hashlib.sha256()
     for path in sources:
         digest.update(path.read_bytes())
-    # -march=native builds for this CPU; the machine's identity keeps another machine's build apart.
-    digest.update(" ".join((compiler, *flags, platform.machine(), platform.node(), torch.__version__)).encode())
+    parts = [platform.machine(), *flags, *extra]
+    for compiler in compilers:
+        parts += [compiler, _compiler_version(compiler), _compiler_target(compiler, flags)]
+    if any(flag.endswith("=native") for flag in flags):  # -march=, -mcpu=, -mtune=native: this CPU's code
+        parts.append(_cpu_flags())
+    digest.update("\0".join(parts).encode())
     return digest.hexdigest()[:16]
+
+
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    """The compiler's `--version` text ("" if it gives none): another version may generate other code."""
+    try:
+        result = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return result.stdout.strip() if result.returncode == 0 else ""
+
+
+# Options of the compiler proper (gcc's cc1, clang -cc1) that name the target, and those whose value follows.
+_TARGET_OPTIONS = ("--param", "-target-cpu", "-target-feature", "-triple", "-tune-cpu")
+
+
+@functools.cache
+def _compiler_target(compiler: str, flags: tuple[str, ...]) -> str:
+    """The target `flags` select, as `compiler` resolves it on this machine ("" if it will not say): its
+    driver's `-###` shows the command it would run, where gcc has expanded -march=native into the CPU's name
+    and every -m<extension> / -mno-<extension>, and clang into -target-cpu and -target-feature +/-<extension>.
+    Only the target's options are kept: the rest names temporary files."""
+    command = [compiler, *flags, "-###", "-x", "c", "-c", os.devnull, "-o", os.devnull]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    if result.returncode != 0:
+        return ""
+    kept: list[str] = []
+    for line in result.stderr.splitlines():
+        if not line.startswith(" "):  # the commands are indented; the rest is the driver talking
+            continue
+        try:
+            words = shlex.split(line)
+        except ValueError:
+            continue
+        for word, following in zip(words, [*words[1:], ""]):
+            if word in _TARGET_OPTIONS:
+                kept += [word, following]
+            elif word.startswith("-m"):
+                kept.append(word)
+    return " ".join(kept)
+
+
+@functools.cache
+def _cpu_flags() -> str:
+    """This CPU's flags as the kernel lists them ("flags" on x86, "Features" on Arm; "" where there is no
+    /proc/cpuinfo): its instruction-set extensions among others. All of them, sorted: a flag that does not
+    change the code costs at most one build more."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            return " ".join(sorted(set(value.split())))
+    return ""
 
 
 def _run(command: list[str]) -> str | None:
@@ -106,7 +181,7 @@ def build_library(name: str, source_dir: Path, sources: tuple[str, ...], compile
     folder = default_cache_dir() / "kernels"
     errors = []
     for flags in flag_sets:
-        target = folder / f"{name}-{_cache_key(compiler, flags, hashed)}.so"
+        target = folder / f"{name}-{_cache_key((compiler,), flags, hashed)}.so"
         error = None if target.is_file() else _compile(compiler, flags, source_dir, compiled, target)
         if error is None:
             return ctypes.CDLL(str(target))
@@ -139,7 +214,8 @@ def build_torch_library(name: str, source: Path, c_sources: tuple[Path, ...], de
                     str(torch_dir / "include"), str(source), *(command[-1] for command in compiled),
                     "-L", str(torch_dir / "lib"), "-ltorch_cpu", "-lc10", "-o", output]
             return [*compiled, link]
-        key = _cache_key(f"{c_compiler} {cxx_compiler}", (*flags, *definitions), [source, *c_sources, *headers])
+        key = _cache_key((c_compiler, cxx_compiler), flags, [source, *c_sources, *headers],
+                         (*definitions, torch.__version__))
         target = folder / f"{name}-{key}.so"
         error = None if target.is_file() else _build(target, commands)
         if error is None:

@@ -99,8 +99,29 @@ at::Tensor int4_matmul(const at::Tensor &rows, const at::Tensor &packed, int64_t
     return at::_weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_and_zeros);
 }
 
+// ValueError unless every index the C kernel follows stays inside its tensor, as cpu_kernels.check_indices: rows
+// in the batch, lengths within the table, every table entry within the pool. A loop over the small index
+// tensors (B x max_blocks entries), nothing beside the attention that follows; dtypes and shapes checked before.
+void check_indices(const at::Tensor &block_tables, const at::Tensor &seq_lens, const at::Tensor &rows,
+                   int64_t num_rows, int64_t num_blocks, int64_t block_size) {
+    const int64_t num_seqs = rows.size(0), width = block_tables.size(1), stride = block_tables.stride(0);
+    const int64_t *row = rows.data_ptr<int64_t>();
+    const int32_t *length = seq_lens.data_ptr<int32_t>(), *tables = block_tables.data_ptr<int32_t>();
+    for (int64_t b = 0; b < num_seqs; b++) {
+        TORCH_CHECK_VALUE(row[b] >= 0 && row[b] < num_rows, "rows must lie in [0, ", num_rows, "), got ", row[b]);
+        TORCH_CHECK_VALUE(length[b] >= 1 && length[b] <= width * block_size, "seq_lens must lie in [1, ",
+                          width * block_size, "] for tables of ", width, " blocks of ", block_size, ", got ",
+                          length[b]);
+        for (int64_t i = 0; i < width; i++) {
+            const int32_t block = tables[b * stride + i];
+            TORCH_CHECK_VALUE(block >= 0 && block < num_blocks, "block table entries must lie in [0, ", num_blocks,
+                              "), got ", block);
+        }
+    }
+}
+
 // store_kv of this step's key, value (N, KV, d), then paged_decode of query (N, H, d) for every row of `rows`:
-// out (N, H, d). cpu_kernels._cpu_paged_attention, with the shape and index-dtype checks that are free here.
+// out (N, H, d). cpu_kernels._cpu_paged_attention, with the same checks, all made before anything is written.
 at::Tensor cpu_paged_attention(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value,
                                const at::Tensor &key_pool, const at::Tensor &value_pool,
                                const at::Tensor &slot_mapping, const at::Tensor &block_tables,
@@ -117,7 +138,7 @@ at::Tensor cpu_paged_attention(const at::Tensor &query, const at::Tensor &key, c
                           && key_pool.size(2) == key.size(1) && key_pool.size(3) == key.size(2)
                           && query.size(2) == key.size(2) && slot_mapping.dim() == 1
                           && slot_mapping.size(0) == key.size(0) && block_tables.dim() == 2
-                          && seq_lens.dim() == 1 && seq_lens.size(0) == rows.size(0)
+                          && seq_lens.dim() == 1 && rows.dim() == 1 && seq_lens.size(0) == rows.size(0)
                           && block_tables.size(0) == rows.size(0),
                       "shapes disagree: query ", query.sizes(), ", key ", key.sizes(), ", value ", value.sizes(),
                       ", pools ", key_pool.sizes(), " / ", value_pool.sizes(), ", slots ", slot_mapping.sizes(),
@@ -125,7 +146,9 @@ at::Tensor cpu_paged_attention(const at::Tensor &query, const at::Tensor &key, c
     TORCH_CHECK_VALUE(query.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1 && key_pool.is_contiguous()
                           && value_pool.is_contiguous() && slot_mapping.is_contiguous() && rows.is_contiguous()
                           && seq_lens.is_contiguous() && block_tables.stride(1) == 1,
-                      "query, key and value need a contiguous last dimension, the pools to be contiguous");
+                      "query, key and value need a contiguous last dimension, the pools, slots, rows and lengths "
+                      "to be contiguous, and each block table too");
+    check_indices(block_tables, seq_lens, rows, query.size(0), key_pool.size(0), key_pool.size(1));
     const int64_t size = key.element_size(), num_slots = key_pool.size(0) * key_pool.size(1);
     const int num_heads = query.size(1), num_kv_heads = key_pool.size(2), head_dim = query.size(2);
     auto *key_bytes = static_cast<const char *>(key.data_ptr());
