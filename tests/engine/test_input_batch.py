@@ -63,3 +63,50 @@ def test_a_block_table_too_short_is_refused() -> None:
     seq = Sequence("r", list(range(40)), SamplingParams(), max_new_tokens=4)
     with pytest.raises(ValueError, match="cannot hold 40 tokens"):
         InputBuffers("cpu", 16).prepare(ScheduledBatch([ScheduledSequence(seq, 0, 40, [3, 7])]))
+
+
+def test_a_host_buffer_is_rewritten_only_after_its_copy_to_the_device_happened() -> None:
+    """The CUDA mechanism, on the CPU: with a device buffer apart from the host's (here on PyTorch's meta device),
+    the steps write two host buffers in turn, an event is recorded after each step's asynchronous copy, and a
+    buffer is rewritten only once the event of its previous copy was waited on, while it still held what that
+    copy was to read. (Before, one buffer was rewritten whenever the next step came, copy done or not.)"""
+    buffers = InputBuffers("meta", block_size=4, capacity=64)
+    log: list[tuple] = []
+
+    class Event:
+        def __init__(self, step: int, buffer) -> None:
+            self.step, self.buffer, self.held = step, buffer, buffer.numpy.copy()
+
+        def synchronize(self) -> None:  # what the copy of `step` reads must still be there now
+            log.append(("wait", self.step, bool((self.buffer.numpy == self.held).all())))
+
+    step = 0
+
+    def record():
+        log.append(("record", step))
+        return Event(step, buffers._hosts[buffers._turn])
+
+    buffers._record_copy = record
+    rng = random.Random(0)
+    with torch.inference_mode():  # as the model runner prepares them
+        for step in range(4):
+            buffers.prepare(_random_batch(rng, 4))
+    assert len(buffers._hosts) == 2
+    assert log == [("record", 0), ("record", 1), ("wait", 0, True), ("record", 2), ("wait", 1, True), ("record", 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.inference_mode()
+def test_steps_that_sample_nothing_never_overwrite_a_pending_copy() -> None:
+    """A GPU busy for longer than the host takes to prepare steps: every step's inputs arrive as they were built."""
+    buffers = InputBuffers("cuda", block_size=4, capacity=1 << 12)
+    rng = random.Random(1)
+    seen, built = [], []
+    for _ in range(16):
+        torch.cuda._sleep(50_000_000)  # the GPU lags the host by tens of milliseconds
+        batch = _random_batch(rng, 4)
+        model_input = buffers.prepare(batch)
+        built.append([t for item in batch.items for t in item.token_ids()])
+        seen.append(model_input.input_ids[0].clone())  # on the stream, after the copy
+    assert [ids.tolist() for ids in seen] == built

@@ -64,3 +64,15 @@ def test_a_seed_at_the_top_of_its_range_with_n_2_is_served(tiny_chat_model) -> N
 
     final, after, running = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
     assert final.finished and len(final.outputs) == 2 and running and isinstance(after, str)
+
+
+def test_back_pressure_counts_requests_not_sequences(tiny_chat_model) -> None:
+    """A queued request of n = 4 is one waiting request (max_waiting_requests counts requests); it was 4."""
+    model, tokenizer = tiny_chat_model
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=64))
+    engine.add_request("four", "Hello", SamplingParams(n=4, max_tokens=2))
+    stats = engine.stats()
+    assert stats.num_waiting == 4 and stats.num_waiting_requests == 1
+    assert AsyncLLMEngine(engine, max_waiting_requests=2).num_waiting == 1
+    engine.step()  # the parent runs: no request is waiting any more
+    assert engine.stats().num_waiting_requests == 0

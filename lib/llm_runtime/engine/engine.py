@@ -68,11 +68,12 @@ class EngineStats:
     num_cached_blocks: int  # blocks named in the prefix cache, held or not
     block_size: int
     num_running: int
-    num_waiting: int
+    num_waiting: int  # sequences: waiting to start or to run again, and forks yet to be made
     num_preemptions: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     num_failed_requests: int = 0  # requests a failed step finished with an error
+    num_waiting_requests: int = 0  # requests none of whose sequences runs (what a server's back-pressure counts)
     attention_backend: str = ""  # the attention backend's name (lesson 11)
     prepacked_weights: bool = False  # the model's linear layers run on oneDNN-packed weights (prepack_weights)
     pointwise_ops: str = "eager"  # "compiled" when the layers' pointwise parts run through torch.compile
@@ -406,6 +407,7 @@ class LLMEngine:
             prefix_cache_queried_tokens=scheduler.num_prefix_queried_tokens,
             prefix_cache_hit_tokens=scheduler.num_prefix_hit_tokens,
             num_failed_requests=self.num_failed_requests,
+            num_waiting_requests=scheduler.num_waiting_requests(),
             attention_backend=self.attention_backend.name,
             prepacked_weights=is_packed(self.model),
             pointwise_ops=pointwise_ops_of(self.model).name,

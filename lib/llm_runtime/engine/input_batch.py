@@ -11,10 +11,14 @@ used prefix to the device in one copy. The device tensors the model reads are vi
 buffer; the int32 ones (offsets, lengths, block tables, as the kernels take them) are cast there. On
 the CPU there is no copy at all: the views are the host buffer.
 
-The views are overwritten by the next step: nothing may keep them across steps. (On CUDA the host
-buffer is rewritten only after the previous step's sampled tokens came back to the host, which waits
-for the previous copy too.) The buffers grow when a step needs more room, so the retry of a failed
-step (one request at a time) and any batch shape work without configuration.
+The views are overwritten by the next step: nothing may keep them across steps. On CUDA the copy is
+asynchronous: it reads the pinned buffer whenever the GPU gets to it, possibly steps later, since a step
+that samples nothing (a chunk of a long prompt) returns without waiting for the device. So there are two
+pinned buffers, used in turn, and an event recorded after each one's copy; a buffer is rewritten only
+after its event, the copy of two steps ago, has happened (`_HostBuffer.reuse`). Nothing else waits: the
+device buffer is rewritten by the next copy on the same stream, after every kernel that reads it. The
+buffers grow when a step needs more room, so the retry of a failed step (one request at a time) and any
+batch shape work without configuration.
 
 `AttentionMetadata.build` remains the plain reference this is tested against.
 """
@@ -22,7 +26,7 @@ step (one request at a time) and any batch shape work without configuration.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -51,6 +55,28 @@ class ModelInput:
         return int(self.input_ids.shape[1])
 
 
+class _HostBuffer:
+    """One pinned (or, on the CPU, plain) int64 host buffer and the event after the last copy that read it."""
+
+    def __init__(self, capacity: int, pinned: bool) -> None:
+        # Inference tensors, as everything a step computes is (the runner runs under inference mode): a compiled
+        # forward pass (compiled_forward.py) guards on the kind of tensor it was traced with.
+        with torch.inference_mode():
+            self.tensor = torch.zeros(capacity, dtype=torch.int64, pin_memory=pinned)
+        self.numpy = self.tensor.numpy()  # the same memory, for NumPy's vectorized writes
+        self.copied: _Event | None = None  # recorded after the asynchronous copy that reads this buffer
+
+    def reuse(self) -> None:
+        """Wait until the copy that last read this buffer happened, so that it may be rewritten."""
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
+
+
+class _Event(Protocol):
+    def synchronize(self) -> None: ...
+
+
 class InputBuffers:
     """Persistent host (and device) buffers that `prepare` fills for each step."""
 
@@ -62,16 +88,30 @@ class InputBuffers:
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
-        pinned = self.device.type == "cuda"
-        # Inference tensors, as everything a step computes is (the runner runs under inference mode): a compiled
-        # forward pass (compiled_forward.py) guards on the kind of tensor it was traced with.
+        separate = self.device.type != "cpu"
+        # Two host buffers where a copy to the device reads them asynchronously (module docstring), else one.
+        # Buffers replaced here are freed safely: PyTorch's pinned allocator keeps a block until its copies ran.
+        self._hosts = [_HostBuffer(capacity, pinned=self.device.type == "cuda") for _ in range(2 if separate else 1)]
+        self._turn = 0
         with torch.inference_mode():
-            self.host = torch.zeros(capacity, dtype=torch.int64, pin_memory=pinned)
-            self.on_device = self.host if self.device.type == "cpu" else torch.zeros(capacity, dtype=torch.int64,
-                                                                                     device=self.device)
-        self.host_np = self.host.numpy()  # the same memory, for NumPy's vectorized writes
+            self.on_device = self._hosts[0].tensor if not separate else torch.zeros(
+                capacity, dtype=torch.int64, device=self.device)
         self.capacity = capacity
         self.num_allocations += 1
+
+    @property
+    def host(self) -> torch.Tensor:
+        """The host buffer the last step was written into."""
+        return self._hosts[self._turn].tensor
+
+    def _record_copy(self) -> _Event | None:
+        """An event on the current stream, after the copy just enqueued (on CUDA; elsewhere a copy from pageable
+        memory has read it before it returns)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def prepare(self, batch: ScheduledBatch) -> ModelInput:
         """Write the batch's inputs into the buffers and return device views of them."""
@@ -99,7 +139,10 @@ class InputBuffers:
         bounds = np.cumsum([0, *sizes]).tolist()
         if bounds[-1] > self.capacity:
             self._allocate(max(bounds[-1], 2 * self.capacity))
-        host = self.host_np
+        self._turn = (self._turn + 1) % len(self._hosts)
+        buffer = self._hosts[self._turn]
+        buffer.reuse()  # its copy of two steps ago may still be pending on the GPU
+        host = buffer.numpy
         ids, positions, slots, logits_rows, query_start, lengths, tables = (
             host[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
 
@@ -118,8 +161,9 @@ class InputBuffers:
         lengths[:] = seq_lens
 
         device = self.on_device
-        if device is not self.host:  # one copy to the device for the whole step
-            device[: bounds[-1]].copy_(self.host[: bounds[-1]], non_blocking=True)
+        if device is not buffer.tensor:  # one copy to the device for the whole step
+            device[: bounds[-1]].copy_(buffer.tensor[: bounds[-1]], non_blocking=True)
+            buffer.copied = self._record_copy()
         views = [device[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
         metadata = AttentionMetadata(
             block_size=self.block_size,

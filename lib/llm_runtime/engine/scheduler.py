@@ -145,6 +145,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def num_waiting_requests(self) -> int:
+        """Requests none of whose sequences runs: queued, or preempted whole (a request counts once, whatever its n)."""
+        running = {seq.request_id for seq in self.running}
+        return len({seq.request_id for seq in self.waiting} - running)
+
     def num_reserved_seqs(self) -> int:
         """Slots taken: running sequences, plus the siblings their running parents will fork."""
         return len(self.running) + sum(len(children) for parent, children in self.forks.items()

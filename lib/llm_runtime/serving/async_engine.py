@@ -152,8 +152,9 @@ class AsyncLLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests not yet running: being validated, queued here, or waiting in the engine at the last step."""
-        return self._num_processing + len(self._new) + self.snapshot.stats.num_waiting
+        """Requests not yet running: being validated, queued here, or waiting in the engine at the last step
+        (requests, not sequences: one of n = 4 counts once, as `max_waiting_requests` does)."""
+        return self._num_processing + len(self._new) + self.snapshot.stats.num_waiting_requests
 
     # ------------------------------------------------------------------ requests
     async def add_request(self, prompt: Prompt, params: SamplingParams | None = None,

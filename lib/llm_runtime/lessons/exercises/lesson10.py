@@ -155,7 +155,7 @@ class _StalledEngine:
     def stats(self) -> EngineStats:
         return EngineStats(num_total_blocks=1, num_free_blocks=1, num_cached_blocks=0, block_size=16, num_running=0,
                            num_waiting=self.num_waiting, num_preemptions=0, prefix_cache_queried_tokens=0,
-                           prefix_cache_hit_tokens=0)
+                           prefix_cache_hit_tokens=0, num_waiting_requests=self.num_waiting)
 
     def num_unfinished_requests(self) -> int:
         return self.num_waiting
