@@ -14,10 +14,13 @@ import pytest
 import torch
 
 from llm_runtime import EngineConfig, LLMEngine, SamplingParams
-from llm_runtime.attention import available_backends
+from llm_runtime.attention import PagedKVCache, available_backends
 from llm_runtime.attention.blockwise import BlockwiseBackend
 from llm_runtime.attention.triton_backend import TritonBackend
-from llm_runtime.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, graphs_unavailable_reason
+from llm_runtime.config import ModelConfig
+from llm_runtime.engine.cuda_graphs import (DecodeGraphs, graph_batch_sizes, graph_memory, graph_memory_bytes,
+                                            graphs_unavailable_reason)
+from llm_runtime.model import CausalLM
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(available_backends(DEVICE, torch.float32)["triton"] is not None,
@@ -88,8 +91,50 @@ def test_replayed_decode_steps_give_the_eager_tokens(tiny_pairs, split_kv: str) 
                           replay="eager")
     engine.model_runner.capture_graphs(graphs)
     assert graphs.sizes == (1, 2, 4, 8)
+    returned = _record_returned_logits(graphs)
     assert _run(engine, prompts, params) == expected
     assert engine.stats().num_graph_replays > 10
+    # Every bucket's logits are rows of the one static output: nothing per bucket is kept.
+    assert {graphs.bucket_for(rows) for _, rows in returned} == set(graphs.sizes)  # every bucket replayed
+    assert {pointer for pointer, _ in returned} == {graphs.logits.data_ptr()}
+    estimate = graph_memory(model.config, backend, max_num_seqs=8, max_model_len=engine.max_model_len,
+                            dtype=model.dtype, block_size=engine.kv_cache.block_size)
+    assert graphs.static_bytes() == estimate.static_logits + estimate.static_inputs
+
+
+def _record_returned_logits(graphs: DecodeGraphs) -> list[tuple[int, int]]:
+    """Wrap graphs.run to note (storage address, rows) of each logits tensor it returns."""
+    returned, run = [], graphs.run
+
+    def recording_run(model_input):
+        logits = run(model_input)
+        returned.append((logits.untyped_storage().data_ptr(), logits.shape[0]))
+        return logits
+
+    graphs.run = recording_run
+    return returned
+
+
+def test_graph_memory_counts_what_the_graphs_hold() -> None:
+    """At 256 sequences and a 152k vocabulary (Qwen2.5-7B's shape, bfloat16): the reserve covers the static
+    output (256 rows of logits), the pool's copy of the largest bucket's logits and its intermediates, the
+    backend's workspace and the static inputs. A graph per bucket keeping its own logits would have held
+    1 + 2 + 4 + 8 + 16 + ... + 256 = 2191 rows, 666 MB, against this reserve of a third of that."""
+    config = ModelConfig(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                         num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, max_position_embeddings=32768)
+    backend = TritonBackend(split_kv="always", partition_size=512)
+    memory = graph_memory(config, backend, max_num_seqs=256, max_model_len=4096, dtype=torch.bfloat16)
+    one_copy = 256 * 152064 * 2  # (256, vocab) bfloat16: 77.9 MB
+    assert memory.static_logits == memory.pool_logits == one_copy
+    assert memory.workspace == backend.decode_workspace_bytes(256, 4096, 28, 128) > 0
+    assert memory.static_inputs >= 256 * (4096 // 16) * 4  # the block tables
+    per_row = 6 * 3584 + 3 * 18944 + (28 + 2 * 4) * 128
+    assert memory.activations == 256 * per_row * 2
+    held = 2 * one_copy + memory.activations + memory.workspace + memory.static_inputs
+    assert graph_memory_bytes(config, backend, max_num_seqs=256, max_model_len=4096, dtype=torch.bfloat16) == \
+        memory.total >= held
+    per_bucket = sum(graph_batch_sizes(256)) * 152064 * 2
+    assert sum(graph_batch_sizes(256)) == 2191 and per_bucket > 665e6 and memory.total < per_bucket / 2
 
 
 @needs_triton
@@ -193,3 +238,28 @@ def test_graph_memory_is_kept_out_of_the_pool_and_a_failed_capture_falls_back(ti
     engine.shutdown()
     with pytest.raises(RuntimeError, match="stream is capturing"):
         LLMEngine(model, None, replace(config, cuda_graphs=True))
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_captured_graphs_hold_what_the_reserve_counts() -> None:
+    """Real graphs, 128 buckets' worth of sequences over a 64k vocabulary: the private pool's segments hold no
+    more than the estimate's pool share (plus the caching allocator's rounding: its 2 and 20 MiB segments),
+    and the static buffers are exactly the estimate's. Every bucket keeping its own logits would put
+    591 rows of 256 KiB, 148 MiB, in the pool."""
+    config = ModelConfig(model_type="llama", vocab_size=65536, hidden_size=64, intermediate_size=128, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = CausalLM(config).to("cuda", torch.float32).eval()
+    cache = PagedKVCache.for_model(config, 64, 16, dtype=torch.float32, device=model.device)
+    backend = TritonBackend(split_kv="never")
+    graphs = DecodeGraphs(model, cache, backend, max_num_seqs=128, max_model_len=256)
+    with torch.inference_mode():
+        graphs.capture()
+    torch.cuda.synchronize()
+    pool_bytes = sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
+                     if tuple(segment.get("segment_pool_id", ())) == tuple(graphs.pool))
+    estimate = graph_memory(config, backend, max_num_seqs=128, max_model_len=256, dtype=torch.float32)
+    assert 0 < pool_bytes <= estimate.activations + estimate.pool_logits + estimate.workspace + 24 * 2**20
+    assert graphs.static_bytes() == estimate.static_logits + estimate.static_inputs
+    graphs.close()

@@ -52,6 +52,12 @@ class AttentionBackend(ABC):
         """None when this backend reads pools of `block_size`-token blocks; otherwise why not."""
         return None
 
+    @classmethod
+    def supports_block_size_on(cls, device: torch.device, block_size: int) -> str | None:
+        """`supports_block_size` on `device`, for a backend whose rule depends on it (flex: any block on the
+        CPU, multiples of 16 tokens on CUDA); what the selector asks."""
+        return cls.supports_block_size(block_size)
+
     def decode_workspace_bytes(self, num_seqs: int, max_seq_len: int, num_heads: int, head_dim: int) -> int:
         """Bytes of scratch memory a decode step of `num_seqs` sequences up to `max_seq_len` keys allocates
         beyond its output (what a CUDA graph of that step keeps in its pool); 0 when nothing to speak of."""

@@ -4,14 +4,21 @@
 and, with `block_table`, reads keys and values straight out of the paged pool; `causal=True` aligns
 each sequence's queries with its last keys, so prefill chunks, extends and decodes share one call.
 FlashAttention 2 runs on Ampere and newer GPUs (sm80+: A100, RTX 30xx, L4, H100) in float16 or
-bfloat16; a T4 (sm75) or a CPU falls back to the Triton or block-wise backend. Its paged mode needs
-blocks of a multiple of 256 tokens (vLLM ships its own build for 16-token blocks), so the engine only
-picks it when `block_size` allows. Install it with `pip install flash-attn` on a CUDA machine.
+bfloat16; a T4 (sm75) or a CPU falls back to the Triton or block-wise backend.
+
+Its paged mode needs blocks of a multiple of 256 tokens: flash-attn 2's C++ entry points refuse any
+other `page_block_size` ("Paged KV cache block size must be divisible by 256"; the maintainers'
+answer in Dao-AILab/flash-attention#828 is that 256 was easier to implement; vLLM ships its own
+build for 16-token blocks). The engine's default block is 16 tokens, so the selector skips this
+backend unless `block_size` is a multiple of 256, and a request for it by name says why. The
+`block_table` argument of the varlen entry point arrived after paged KV itself (flash-attn#831),
+so an older install is refused too. Install it with `pip install flash-attn` on a CUDA machine.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +27,33 @@ from .backend import AttentionBackend
 from .metadata import AttentionMetadata
 
 FLASH_BLOCK_MULTIPLE = 256  # the paged KV block size flash-attn 2 accepts: a multiple of this
+FLASH_MIN_CAPABILITY = (8, 0)  # Ampere: the asynchronous copies and tensor-core shapes its kernels are built on
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def capability_reason(capability: tuple[int, int], dtype: torch.dtype) -> str | None:
+    """None when FlashAttention 2's kernels run on a GPU of compute `capability` in `dtype`; else why not.
+    (Separate from the device query so that a test, or a lesson, can ask about a T4 on any machine.)"""
+    if tuple(capability) < FLASH_MIN_CAPABILITY:
+        major, minor = capability
+        return (f"FlashAttention 2 needs compute capability 8.0 or newer (this GPU is {major}.{minor}; "
+                f"a T4 is 7.5)")
+    if dtype not in FLASH_DTYPES:
+        return f"FlashAttention 2 runs in float16 or bfloat16, not {dtype}"
+    return None
+
+
+def _installed_reason() -> str | None:
+    """None when flash-attn is installed with a varlen entry point that reads a block table; else why not."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return "flash-attn is not installed (pip install flash-attn)"
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception as error:  # noqa: BLE001 - installed but broken (a build for another torch or CUDA)
+        return f"flash-attn does not import ({type(error).__name__}: {error})"
+    if "block_table" not in inspect.signature(flash_attn_varlen_func).parameters:
+        return "this flash-attn's flash_attn_varlen_func takes no block_table (paged KV needs a newer flash-attn 2)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -37,13 +71,7 @@ class FlashAttentionBackend(AttentionBackend):
     def is_available(cls, device: torch.device, dtype: torch.dtype) -> str | None:
         if device.type != "cuda":
             return "FlashAttention 2 needs a CUDA GPU"
-        if importlib.util.find_spec("flash_attn") is None:
-            return "flash-attn is not installed (pip install flash-attn)"
-        if torch.cuda.get_device_capability(device) < (8, 0):
-            return "FlashAttention 2 needs compute capability 8.0 or newer (this GPU is older, e.g. a T4 is 7.5)"
-        if dtype not in (torch.float16, torch.bfloat16):
-            return f"FlashAttention 2 runs in float16 or bfloat16, not {dtype}"
-        return None
+        return _installed_reason() or capability_reason(torch.cuda.get_device_capability(device), dtype)
 
     @classmethod
     def supports_block_size(cls, block_size: int) -> str | None:

@@ -1,10 +1,14 @@
 """Which attention backend an engine runs: asked for by name, or picked by device and what is installed.
 
 `EngineConfig(attention_backend=...)` names one; "auto" lets the environment variable
-`LLM_RUNTIME_ATTENTION_BACKEND` choose, and without it the order below does: on CUDA,
-FlashAttention (sm80+, half precision) then this package's Triton kernels; on the CPU, this package's
-C kernel for decodes (float32 and bfloat16, where a C compiler builds it), else the block-wise
-PyTorch backend. `torch-gather` is never picked: it is the reference the others are tested against.
+`LLM_RUNTIME_ATTENTION_BACKEND` choose, and without it the order below does, taking the first
+backend that can run with this device, its compute capability, the dtype and the engine's block
+size: on CUDA, FlashAttention (sm80+, half precision, and blocks a multiple of 256 tokens, so never
+at the default 16) then this package's Triton kernels; on the CPU, this package's C kernel for
+decodes (float32 and bfloat16, where a C compiler builds it), else the block-wise PyTorch backend.
+A backend asked for by name that cannot run here raises ValueError with the reason.
+`torch-gather` is never picked: it is the reference the others are tested against. Nor is `flex`:
+it compiles for the pool's size, and its CUDA path has not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ def unavailable_reason(name: str, device: torch.device, dtype: torch.dtype, bloc
         cls = backend_class(name)
     except ImportError as error:  # a backend module whose own imports fail
         return f"cannot import it ({error})"
-    return cls.is_available(device, dtype) or cls.supports_block_size(block_size)
+    return cls.is_available(device, dtype) or cls.supports_block_size_on(device, block_size)
 
 
 def available_backends(device: torch.device | str, dtype: torch.dtype, block_size: int = 16) -> dict[str, str | None]:
@@ -76,5 +80,6 @@ def select_backend(
         return backend_class("torch-gather")()
     reason = unavailable_reason(name, device, dtype, block_size)
     if reason is not None:
-        raise ValueError(f"attention backend {name!r} cannot run on {device.type} in {dtype}: {reason}")
+        raise ValueError(f"attention backend {name!r} cannot run on {device.type} in {dtype} with blocks of "
+                         f"{block_size} tokens: {reason}")
     return backend_class(name)()

@@ -14,7 +14,8 @@ What capture forbids follows from "the kernels and their arguments are recorded,
   they read one valid slot), and their logits are ignored.
 - fixed addresses: kernels read their inputs from the tensors they saw at capture. Each step copies
   its ids, positions, slots, lengths and block tables into static buffers that live as long as the
-  graphs; the graphs write logits into static outputs.
+  graphs; the graphs write logits into one static output of the largest bucket's size, bucket b
+  into its first b rows (what `run` returns is a view of it: valid until the next replay).
 - no host decisions: Python branches on data ran once, at capture. The attention backend's plan is
   made for the longest sequence the engine allows (`max_model_len`) and kept; its kernels read the
   real lengths on the device (`AttentionBackend.supports_cuda_graphs`).
@@ -22,18 +23,26 @@ What capture forbids follows from "the kernels and their arguments are recorded,
 Prefill and mixed steps change shape every step: they run eagerly, as in vLLM's default.
 
 The buckets are captured largest first into one memory pool, so the smaller graphs reuse the
-largest one's intermediate memory. That pool is private to the graphs: the KV budget keeps room for
-it before sizing the KV pool (`graph_memory_bytes`). Warm-up and capture run on a side stream of the
-model's device, as `torch.cuda.graph` wants (the default stream cannot be captured); replays run on
-the current stream. `replay="eager"` runs the same captured function (static buffers,
-padding, the kept plan) without a graph: on the CPU, with the Triton backend under its interpreter,
-it tests everything but the graph itself.
+largest one's intermediate memory. A tensor made during a capture keeps its memory in the pool for
+as long as it lives (PyTorch's CUDA notes, "Graph memory management"), so nothing made there is
+kept: a graph's logits are copied into the shared static output, made outside any capture, and
+the pool holds one bucket's worth of intermediates, the largest's, not the sum of every bucket's.
+PyTorch calls a shared pool safe when graphs replay in capture order and never concurrently; ours
+replay in any order but never concurrently, which is safe for the same reason the rule exists: no
+graph reads pool memory that another graph wrote (every value that outlives a replay lives in the
+static buffers, outside the pool). The pool and the static buffers are the graphs' alone: the KV
+budget keeps room for both before sizing the KV pool (`graph_memory_bytes`). Warm-up and capture run
+on a side stream of the model's device, as `torch.cuda.graph` wants (the default stream cannot be
+captured); replays run on the current stream. `replay="eager"` runs the same captured function
+(static buffers, padding, the kept plan) without a graph: on the CPU, with the Triton backend under
+its interpreter, it tests everything but the graph itself.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+from dataclasses import dataclass
 from typing import Callable, Literal
 
 import torch
@@ -68,16 +77,49 @@ def graphs_unavailable_reason(device: torch.device, backend: AttentionBackend) -
     return None
 
 
-def graph_memory_bytes(model_config: ModelConfig, backend: AttentionBackend, *, max_num_seqs: int,
-                       max_model_len: int, dtype: torch.dtype) -> int:
-    """An estimate of the graphs' private memory pool: the intermediates of the largest bucket's forward
-    pass (per row a few hidden-sized buffers, q/k/v, the MLP's gate, up and product), its float32 logits
-    and the attention backend's decode workspace at `max_model_len` (split-KV partials, for one)."""
+@dataclass(frozen=True)
+class GraphMemory:
+    """What captured decode graphs hold, in bytes: the largest bucket's share of the private pool, and the
+    static buffers made outside it."""
+
+    activations: int  # the largest bucket's forward intermediates at their peak (in the pool)
+    pool_logits: int  # its logits as computed, before the copy into the static output (in the pool)
+    workspace: int  # the attention backend's decode scratch (split-KV partials; in the pool)
+    static_logits: int  # the shared static output, (largest bucket, vocab)
+    static_inputs: int  # ids, positions, slots, lengths, block tables
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.pool_logits + self.workspace + self.static_logits + self.static_inputs
+
+
+def graph_memory(model_config: ModelConfig, backend: AttentionBackend, *, max_num_seqs: int, max_model_len: int,
+                 dtype: torch.dtype, block_size: int = 16) -> GraphMemory:
+    """An estimate of what `DecodeGraphs` keeps once captured (see `GraphMemory`). Activations: per row a few
+    hidden-sized buffers, q/k/v, the MLP's gate, up and product; logits in `dtype` (the head's output, as
+    `compute_logits` returns it), once in the pool and once in the static output. `block_size` sizes the
+    static block tables (the default, 16, is an upper bound for any larger block)."""
     c = model_config
     per_row = 6 * c.hidden_size + 3 * c.intermediate_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
     itemsize = torch.empty((), dtype=dtype).element_size()
-    workspace = backend.decode_workspace_bytes(max_num_seqs, max_model_len, c.num_heads, c.head_dim)
-    return max_num_seqs * (per_row * itemsize + c.vocab_size * 4) + workspace
+    logits = max_num_seqs * c.vocab_size * itemsize
+    max_blocks = -(-max_model_len // block_size)
+    # int64 ids, positions and slots; int32 lengths, query starts and block tables (as DecodeGraphs makes them)
+    inputs = 3 * 8 * max_num_seqs + 4 * (2 * max_num_seqs + 1) + 4 * max_num_seqs * max_blocks
+    return GraphMemory(
+        activations=max_num_seqs * per_row * itemsize,
+        pool_logits=logits,
+        workspace=backend.decode_workspace_bytes(max_num_seqs, max_model_len, c.num_heads, c.head_dim),
+        static_logits=logits,
+        static_inputs=inputs,
+    )
+
+
+def graph_memory_bytes(model_config: ModelConfig, backend: AttentionBackend, *, max_num_seqs: int,
+                       max_model_len: int, dtype: torch.dtype, block_size: int = 16) -> int:
+    """The bytes the KV budget keeps for captured decode graphs: their private pool and static buffers."""
+    return graph_memory(model_config, backend, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                        dtype=dtype, block_size=block_size).total
 
 
 class DecodeGraphs:
@@ -106,9 +148,13 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)  # one token per row, always
         self.block_tables = torch.zeros(size, self.max_blocks, dtype=torch.int32, device=device)
-        self.logits: dict[int, torch.Tensor] = {}  # bucket -> static output (bucket, vocab)
+        # The one static output: bucket b writes its first b rows. Made here, outside any capture, so that it
+        # is not in the graphs' pool (which then holds no bucket's output).
+        self.logits: torch.Tensor | None = torch.empty(size, model.config.vocab_size, dtype=model.dtype,
+                                                       device=device)  # (largest bucket, vocab)
         self._runs: dict[int, Callable[[], None]] = {}  # bucket -> replays the step
         self._graphs: list[torch.cuda.CUDAGraph] = []
+        self.pool: tuple[int, int] | None = None  # the graphs' private memory pool, once captured
 
     def capture(self) -> None:
         """Capture (or, with replay="eager", prepare) every bucket, largest first, in one memory pool."""
@@ -117,7 +163,7 @@ class DecodeGraphs:
             return
         device = self.model.device
         with torch.cuda.device(device):
-            pool = torch.cuda.graph_pool_handle()
+            self.pool = pool = torch.cuda.graph_pool_handle()
             stream = torch.cuda.Stream(device)  # capture cannot run on the default stream
             stream.wait_stream(torch.cuda.current_stream(device))  # the pool and weights are ready
             for size in reversed(self.sizes):
@@ -133,16 +179,25 @@ class DecodeGraphs:
             torch.cuda.current_stream(device).wait_stream(stream)
         logger.info("captured decode steps for batch sizes %s", ", ".join(map(str, self.sizes)))
 
+    def static_bytes(self) -> int:
+        """Bytes of the static buffers, inputs and the shared output (`GraphMemory.static_*` estimates them)."""
+        buffers = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.query_start_loc,
+                   self.block_tables, self.logits)
+        return sum(t.numel() * t.element_size() for t in buffers if t is not None)
+
     def close(self) -> None:
-        """Drop the graphs and their static outputs (their pool goes back to the caching allocator)."""
+        """Drop the graphs and their static output (their pool goes back to the caching allocator)."""
         self._runs.clear()
-        self.logits.clear()
+        self.logits = None
         for graph in self._graphs:
             graph.reset()
         self._graphs.clear()
 
     def _step_function(self, size: int) -> Callable[[], None]:
         """The forward pass of a `size`-row decode step over the static buffers, its plan made once here."""
+        if self.logits is None:
+            raise RuntimeError("these graphs were closed")
+        logits = self.logits[:size]  # (size, vocab): a view of the shared static output
         metadata = AttentionMetadata(
             block_size=self.block_size,
             query_start_loc=self.query_start_loc[: size + 1],
@@ -159,7 +214,9 @@ class DecodeGraphs:
 
         def step() -> None:
             hidden = self.model(input_ids, kv, positions)  # (1, size, hidden)
-            self.logits[size] = self.model.compute_logits(hidden[0])  # (size, vocab), kept by the graph
+            # The head's output is a temporary of the pool, freed once copied (so a later capture reuses its
+            # memory); the static output is what outlives the replay. The copy costs one pass over (size, vocab).
+            logits.copy_(self.model.compute_logits(hidden[0]))
 
         return step
 
@@ -179,8 +236,9 @@ class DecodeGraphs:
                 and metadata.max_seq_len <= self.max_model_len)
 
     def run(self, model_input: ModelInput) -> torch.Tensor:
-        """Copy the step into the static buffers, replay its bucket, return logits (num_seqs, vocab)."""
-        if not self._runs:
+        """Copy the step into the static buffers, replay its bucket, return logits (num_seqs, vocab): a view of
+        the static output, overwritten by the next run (the sampler reads it before then)."""
+        if not self._runs or self.logits is None:
             raise RuntimeError("capture() first")
         metadata = model_input.metadata
         num_seqs = metadata.num_seqs
@@ -200,4 +258,4 @@ class DecodeGraphs:
         else:
             self._runs[size]()
         self.num_replays += 1
-        return self.logits[size][:num_seqs]
+        return self.logits[:num_seqs]

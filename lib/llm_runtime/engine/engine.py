@@ -324,7 +324,8 @@ class LLMEngine:
             nbytes = config.kv_cache_memory
         else:
             reserve = graph_memory_bytes(model.config, self.attention_backend, max_num_seqs=config.max_num_seqs,
-                                         max_model_len=max_model_len, dtype=model.dtype) if graphs else 0
+                                         max_model_len=max_model_len, dtype=model.dtype,
+                                         block_size=config.block_size) if graphs else 0
             nbytes = kv_cache_memory(model, config, max_model_len, reserve=reserve, block_bytes=block,
                                      others=self.device_models[1:])
         num_blocks = nbytes // block
