@@ -13,8 +13,8 @@ ones must get 400 (413 for a body over the limit), and every error answer must b
 The server runs as its own process (`python -m llm_runtime serve --check-invariants`). The report:
 requests served, answers by status, chunks streamed, the server's resident memory sampled every 15 s
 (before, during, after), KV blocks in use at the end (must be 0), and whether the greedy answer to a
-fixed prompt is unchanged. It fails on any 5xx but 503 busy, any answer of an unexpected status, and
-any error that is not an OpenAI error object.
+fixed prompt is unchanged. It fails on any 5xx but 503 busy, any answer of an unexpected status, any
+error that is not an OpenAI error object, and any request the engine failed (finish_reason "error").
 """
 
 from __future__ import annotations
@@ -219,6 +219,7 @@ def main() -> int:
         }
         print(json.dumps(report, indent=2))
         ok = (report["kv_blocks_used_at_end"] == 0 and report["same_greedy_answer"] and report["health"] == 200
+              and report["requests_failed_total"] == 0
               and not any(k.startswith("UNEXPECTED") or (k.startswith("status 5") and k != "status 503")
                           for k in counts))
         return 0 if ok else 1

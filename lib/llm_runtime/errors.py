@@ -21,17 +21,19 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped on an error outside any one request; nothing more can run (HTTP 503)."""
 
 
-# What CUDA says once its context is broken: every later call on the device fails the same way.
-_STICKY_DEVICE_ERRORS = ("CUDA error", "illegal memory access", "device-side assert", "CUBLAS_STATUS_EXECUTION_FAILED",
-                         "unspecified launch failure", "misaligned address")
+# What CUDA says once its context is broken: every later call on the device fails the same way. (Other CUDA
+# errors, an invalid launch configuration, no kernel image for this GPU, leave the context usable.)
+_STICKY_DEVICE_ERRORS = ("illegal memory access", "illegal address", "illegal instruction", "device-side assert",
+                         "unspecified launch failure", "misaligned address", "uncorrectable ECC",
+                         "hardware stack error", "context is destroyed")
 
 
 def is_device_fault(error: BaseException) -> bool:
-    """Whether `error` is the device failing (an illegal memory access, a device-side assert), after which the
-    CUDA context is unusable and nothing can run again: no retry, one request at a time or otherwise, can help,
-    so the engine is dead. Running out of memory is not one (a smaller step may fit)."""
+    """Whether `error` is the device failing in a way that breaks the CUDA context (an illegal memory access, a
+    device-side assert), after which nothing can run again in this process: no retry, one request at a time or
+    otherwise, can help, so the engine is dead. Running out of memory is not one (a smaller step may fit), nor
+    is an error that leaves the context usable."""
     if isinstance(error, torch.OutOfMemoryError):
         return False
-    if isinstance(error, torch.AcceleratorError):
-        return True
+    # torch.AcceleratorError (PyTorch 2.8 on) and the RuntimeError of older versions carry CUDA's message.
     return isinstance(error, RuntimeError) and any(text in str(error) for text in _STICKY_DEVICE_ERRORS)

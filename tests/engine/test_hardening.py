@@ -315,3 +315,23 @@ def test_a_device_fault_kills_the_engine_instead_of_failing_every_request(tiny_p
     with pytest.raises(EngineDeadError):
         engine.step()
     engine.shutdown()
+
+
+def test_a_cuda_error_that_leaves_the_context_usable_is_retried_per_request(tiny_pairs, monkeypatch) -> None:
+    """An invalid launch configuration is not a broken context: the step is retried one request at a time, and
+    only the request that meets it again fails."""
+    model, _ = tiny_pairs["llama2"]
+    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=64))
+    for i in range(3):
+        engine.add_request(str(i), [5, 6, 7 + i], SamplingParams(temperature=0, max_tokens=4))
+    run = engine.model_runner.run
+
+    def faulty_run(batch):
+        if any(item.seq.request_id == "1" for item in batch.items):
+            raise torch.AcceleratorError("CUDA error: invalid configuration argument")
+        return run(batch)
+
+    monkeypatch.setattr(engine.model_runner, "run", faulty_run)
+    finals = drain(engine)
+    assert [finals[str(i)].outputs[0].finish_reason for i in range(3)] == ["length", "error", "length"]
+    assert engine.dead_reason is None and engine.stats().num_failed_requests == 1

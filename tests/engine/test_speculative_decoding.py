@@ -354,9 +354,10 @@ def test_the_draft_models_pool_is_inside_the_kv_budget(tiny_pairs) -> None:
     engine.shutdown()
 
 
-def test_a_failing_proposal_fails_its_own_request_alone(tiny_pairs, monkeypatch) -> None:
-    """The draft model raises whenever a sequence's tokens hold a poison token: that request ends with an error,
-    the step does not raise, and every other request gets exactly the tokens it gets without speculation."""
+def test_a_failing_proposal_leaves_its_sequence_unspeculated(tiny_pairs, monkeypatch) -> None:
+    """The draft model raises whenever a sequence's tokens hold a poison token: the step does not raise, that
+    sequence decodes one token a step from then on (its blocks in the draft's pool given back), and every
+    request, the poisoned one too, gets exactly the tokens it gets without speculation."""
     model, draft = tiny_pairs["llama3"][0], copy.deepcopy(tiny_pairs["llama2"][0])
     forward = type(draft).forward
 
@@ -368,10 +369,34 @@ def test_a_failing_proposal_fails_its_own_request_alone(tiny_pairs, monkeypatch)
     monkeypatch.setattr(draft, "forward", failing.__get__(draft))
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     requests = [([5, 6, 7, 5, 6, 7], greedy), ([90, 91, 92], greedy), ([11, 12, 13, 11, 12], greedy)]
-    finals = _finals(LLMEngine(model, None, EngineConfig(num_kv_blocks=64, speculative_config=DRAFT),
-                               draft_model=draft), requests)
-    assert finals["1"].outputs[0].finish_reason == "error"
+    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=64, speculative_config=DRAFT), draft_model=draft)
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(str(i), prompt, params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            finals[output.request_id] = output
+        unspeculated = [seq.request_id for seq in engine._unspeculated]
+        assert unspeculated in ([], ["1"]) and all(seq.request_id != "1" for seq in engine.proposer.block_manager.block_tables)
     expected = _finals(LLMEngine(model, None, EngineConfig(num_kv_blocks=64)), requests)
-    for key in ("0", "2"):
+    for key in ("0", "1", "2"):
         assert finals[key].outputs[0].token_ids == expected[key].outputs[0].token_ids
         assert finals[key].outputs[0].finish_reason == "length"
+    assert engine.stats().num_accepted_tokens > 0 and engine.stats().num_failed_requests == 0
+    assert not engine.proposer.block_manager.block_tables
+    engine.shutdown()
+    assert engine.kv_pool_bytes == 0
+
+
+def test_the_draft_runs_on_a_backend_that_takes_its_dtype(tiny_pairs) -> None:
+    """A float32 target on the CPU's C kernel with a float64 draft (the kernel takes float32 and bfloat16 only): the
+    draft falls back to what the selector picks for it, instead of failing to start."""
+    from llm_runtime.attention.selector import unavailable_reason
+
+    if unavailable_reason("cpu", torch.device("cpu"), torch.float32) is not None:
+        pytest.skip("no C kernel here")
+    model = copy.deepcopy(tiny_pairs["llama3"][0]).to(torch.float32)
+    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=32, attention_backend="cpu", speculative_config=DRAFT),
+                       draft_model=tiny_pairs["llama2"][0])
+    assert engine.attention_backend.name == "cpu" and engine.proposer.attention_backend.name != "cpu"
+    assert len(_finals(engine, [([5, 6, 7], SamplingParams(temperature=0, max_tokens=6))])["0"].outputs[0].token_ids) == 6

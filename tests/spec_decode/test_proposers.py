@@ -117,3 +117,24 @@ def test_no_room_in_the_pool_means_no_guesses_not_an_error(tiny_pairs) -> None:
     assert len(short.draft_token_ids) == 4
     DraftModelProposer(model, num_speculative_tokens=4, num_blocks=16, block_size=4).propose([near_end])
     assert len(near_end.draft_token_ids) == 1
+
+
+def test_a_long_catch_up_runs_in_passes_of_bounded_size(tiny_pairs) -> None:
+    """Sequences new to the draft bring their whole prompts: the first passes hold at most max_tokens_per_pass
+    tokens (the activations the engine's budget counts), and the guesses are those of one unbounded pass."""
+    model, _ = tiny_pairs["llama2"]
+
+    def batch() -> list[Sequence]:
+        return [_sequence(list(range(3, 40)), [41], name="long"), _sequence([5, 6, 7], [8], name="short"),
+                _sequence(list(range(50, 62)), name="middle")]
+
+    unbounded = batch()
+    DraftModelProposer(model, num_speculative_tokens=3, num_blocks=64, block_size=4).propose(unbounded)
+    bounded = batch()
+    proposer = DraftModelProposer(model, num_speculative_tokens=3, num_blocks=64, block_size=4, max_tokens_per_pass=8)
+    sizes, forward = [], proposer._forward
+    proposer._forward = lambda seqs, starts, chunks, rows=None: sizes.append(sum(map(len, chunks))) or forward(
+        seqs, starts, chunks, rows)
+    proposer.propose(bounded)
+    assert [seq.draft_token_ids for seq in bounded] == [seq.draft_token_ids for seq in unbounded]
+    assert max(sizes) == 8 and sum(sizes) == 38 + 4 + 12 + 2 * 3  # every missing token once, then 2 guesses each

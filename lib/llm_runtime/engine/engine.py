@@ -30,7 +30,7 @@ import torch
 from ..attention.kv_calibration import calibrate_kv_scales, calibration_token_ids
 from ..attention.kv_cache import PagedKVCache, kv_block_bytes
 from ..attention.kv_quant import KVScales
-from ..attention.selector import select_backend
+from ..attention.selector import select_backend, unavailable_reason
 from ..config import EngineConfig
 from ..errors import EngineDeadError, InvalidRequestError, is_device_fault
 from ..model import CausalLM
@@ -171,7 +171,7 @@ class LLMEngine:
         spec = config.speculative_config
         self.spec_stats = SpeculationStats(spec.num_speculative_tokens) if spec is not None else None
         self.num_failed_requests = 0
-        self._failed_between_steps: list[str] = []  # failed while proposing: their final outputs go out next
+        self._unspeculated: set[Sequence] = set()  # sequences whose proposals failed: they decode one token a step
         self.dead_reason: BaseException | None = None  # the device fault that killed the engine, if one did
         self._num_steps = 0
         self._num_idle_steps = 0  # consecutive steps that scheduled nothing while requests were left
@@ -226,10 +226,15 @@ class LLMEngine:
             return None
         if self.draft_model is None:
             return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
-        draft = self.draft_model
-        backend = select_backend(self.attention_backend.name, draft.device, draft.dtype, None, self.config.block_size)
-        return DraftModelProposer(draft, spec.num_speculative_tokens, num_blocks=num_blocks,
-                                  block_size=self.config.block_size, attention_backend=backend, seed=self.config.seed)
+        draft, block_size = self.draft_model, self.config.block_size
+        # The target's backend where it runs the draft too (another dtype may rule it out), else the draft's "auto".
+        name = self.attention_backend.name
+        if unavailable_reason(name, draft.device, draft.dtype, block_size) is not None:
+            name = "auto"
+        backend = select_backend(name, draft.device, draft.dtype, None, block_size)
+        return DraftModelProposer(draft, spec.num_speculative_tokens, num_blocks=num_blocks, block_size=block_size,
+                                  attention_backend=backend, max_tokens_per_pass=self.config.max_num_batched_tokens,
+                                  seed=self.config.seed)
 
     def _block_bytes(self) -> int:
         """Bytes one block of the KV pool takes, with the same block of the draft model's pool where there is one."""
@@ -346,6 +351,8 @@ class LLMEngine:
             self.model_runner.graphs.close()  # they point into the pool
             self.model_runner.graphs = None
         self.kv_cache.release()
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.release()
         CPU_DEVICE.release(self)
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -431,7 +438,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """One iteration: (propose,) schedule, run the model, postprocess; returns outputs of requests that
-        progressed, or that failed. Raises EngineDeadError once the device itself failed (is_device_fault)."""
+        progressed (or failed). Raises EngineDeadError once the device itself failed (is_device_fault)."""
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine's device failed; create a new engine: {self.dead_reason!r}")
         start = time.perf_counter()
@@ -442,12 +449,10 @@ class LLMEngine:
             start = proposed
         batch = self.scheduler.schedule()
         self._num_idle_steps = 0 if batch.items or not self.has_unfinished_requests() else self._num_idle_steps + 1
-        failed, self._failed_between_steps = self._failed_between_steps, []
         if not batch.items:
-            outputs = self.output_processor.process(failed, {}, time.perf_counter()).outputs if failed else []
             if self.config.check_invariants:
                 self.check_invariants()
-            return outputs
+            return []
         scheduled = time.perf_counter()
         self.profile.schedule += scheduled - start
         result = self._run(batch)
@@ -456,9 +461,7 @@ class LLMEngine:
         self.scheduler.postprocess(batch, result.sampled, now, result.accepted)
         for seq, chunk_start, entries in result.prompt_logprobs:
             self.output_processor.add_prompt_logprobs(seq.request_id, chunk_start, entries)
-        request_ids = batch.request_ids
-        processed = self.output_processor.process(request_ids + [r for r in failed if r not in request_ids],
-                                                  result.logprobs, now)
+        processed = self.output_processor.process(batch.request_ids, result.logprobs, now)
         self.scheduler.finish(processed.finished)  # ended by a stop string: free their blocks now
         for request_id in processed.failed:  # every sequence of the request leaves, a waiting sibling's too
             self._fail(request_id)
@@ -482,35 +485,35 @@ class LLMEngine:
     def _propose(self) -> None:
         """Guesses for every running sequence whose next step is a decode; the proposer drops what it kept for
         sequences that left (finished, or preempted: they start again). If proposing fails, it is tried again
-        one request at a time, and the requests that fail again finish with an error, as in a failed step."""
+        one sequence at a time, and a sequence whose proposal fails again decodes without guesses from now on:
+        speculation is an optimisation, and the target alone still gives its tokens exactly."""
         scheduler, proposer = self.scheduler, self.proposer
         assert proposer is not None
-        proposer.keep_only(set(scheduler.running))
-        decoding = [seq for seq in scheduler.running if seq.num_uncomputed_tokens == 1 and seq not in scheduler.forks]
+        self._unspeculated &= set(scheduler.running)
+        proposer.keep_only(set(scheduler.running) - self._unspeculated)
+        decoding = [seq for seq in scheduler.running if seq.num_uncomputed_tokens == 1 and seq not in scheduler.forks
+                    and seq not in self._unspeculated]
         try:
             proposer.propose(decoding)
             return
         except Exception as error:
             if is_device_fault(error):
                 self._die(error)
-            logger.exception("proposing for %d sequences failed; retrying them one request at a time", len(decoding))
-        for request_id in dict.fromkeys(seq.request_id for seq in decoding):
-            sequences = [seq for seq in decoding if seq.request_id == request_id]
+            logger.exception("proposing for %d sequences failed; retrying them one at a time", len(decoding))
+        for seq in decoding:
             try:
-                proposer.propose(sequences)
+                proposer.propose([seq])
             except Exception as error:
                 if is_device_fault(error):
                     self._die(error)
-                logger.exception("proposing for request %s failed; finishing it with an error", request_id)
-                for seq in sequences:
-                    seq.draft_token_ids, seq.draft_probs = [], None
-                self._fail(request_id)
-                self._failed_between_steps.append(request_id)
-        proposer.keep_only(set(scheduler.running))
+                logger.exception("proposing for %r failed; it decodes without speculation from now on", seq)
+                seq.draft_token_ids, seq.draft_probs = [], None
+                self._unspeculated.add(seq)
+        proposer.keep_only(set(scheduler.running) - self._unspeculated)
 
     def _die(self, error: BaseException) -> None:
-        """The device failed: nothing can run again in this process's CUDA context. Every live request ends with
-        an error output never sent; the engine refuses everything from now on."""
+        """The device failed: nothing can run again in this process's CUDA context. The engine refuses every
+        request and step from now on (EngineDeadError); what was live stays as it was until `shutdown()`."""
         logger.error("the device failed (%s: %s); the engine is dead", type(error).__name__, error)
         self.dead_reason = error
         raise EngineDeadError(f"the engine's device failed; create a new engine: {error!r}") from error
@@ -558,6 +561,10 @@ class LLMEngine:
         scheduled = set(self.scheduler.running) | set(self.scheduler.waiting) | {
             child for children in self.scheduler.forks.values() for child in children}
         assert live == scheduled, "a live request's sequence is missing from the scheduler, or the reverse"
+        if isinstance(self.proposer, DraftModelProposer):  # the draft's pool: only running sequences hold blocks
+            draft_blocks = self.proposer.block_manager
+            assert set(draft_blocks.block_tables) <= set(self.scheduler.running), "a draft block outlived its sequence"
+            draft_blocks.check_invariants()
         # Only a fork made at admission leaves one step with nothing to run; two in a row means stuck.
         assert self._num_idle_steps < 2, "requests are waiting but no step can run them"
 

@@ -55,6 +55,12 @@ class ModelInput:
         return int(self.input_ids.shape[1])
 
 
+class _Event(Protocol):
+    """What `_HostBuffer` needs of a torch.cuda.Event: to wait until the work before it ran."""
+
+    def synchronize(self) -> None: ...
+
+
 class _HostBuffer:
     """One pinned (or, on the CPU, plain) int64 host buffer and the event after the last copy that read it."""
 
@@ -71,10 +77,6 @@ class _HostBuffer:
         if self.copied is not None:
             self.copied.synchronize()
             self.copied = None
-
-
-class _Event(Protocol):
-    def synchronize(self) -> None: ...
 
 
 class InputBuffers:

@@ -5,6 +5,8 @@ Iteration-level (continuous) scheduling, first come first served, with memory as
    much as the token budget allows) for a prefill that was split. If the KV pool has no block
    for them, the newest running sequence is *preempted*: its blocks are freed, it goes back to
    the front of the queue, and it is recomputed (prompt and output so far) when it returns;
+   Speculative decoding: then, in the same order, each decoding sequence's guesses from the token budget
+   and the free blocks left (none in a step that had to preempt), so guesses never starve a sequence;
 2. waiting sequences are admitted in arrival order while there is room: fewer than `max_num_seqs`
    running, tokens left in `max_num_batched_tokens`, and free blocks for the whole prompt
    (admission control). Leading blocks already in the prefix cache are reused, not recomputed.
@@ -183,8 +185,9 @@ class Scheduler:
                                                  copies))
             budget -= num_new
             i += 1
-        # Speculation: drafts only from the budget every running sequence's own tokens left, in the same order.
-        for item in batch.items:
+        # Speculation: drafts only from the budget every running sequence's own tokens left, in the same order, and
+        # not in a step that had to preempt (the memory goes to the preempted sequences first).
+        for item in batch.items if not preempted else ():
             budget -= self._add_drafts(item, budget)
         now = time.perf_counter()
         while self.waiting and budget > 0 and not preempted:  # no admissions while memory is short

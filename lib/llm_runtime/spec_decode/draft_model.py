@@ -7,11 +7,13 @@ agrees with the float32 model on most tokens (lesson 13).
 
 Its keys and values live in a paged pool of its own (`PagedKVCache`, the engine's layout), with as many
 blocks as the engine's pool and a `BlockManager` of its own: the engine counts both pools in its KV budget,
-so speculation never takes memory the budget did not give it. Per sequence it keeps the tokens its blocks
-hold keys and values for. Before a step it brings every decoding sequence up to its tokens at once: the
-prefix both share is kept (the drafts the target kept are exactly the draft's own tokens), the rest (at
-least the last token) runs as one ragged batch over all the sequences, and then k - 1 more passes of one
-token per sequence draw the other guesses, each from its own logits: greedy requests take the argmax (a
+so speculation never takes KV memory the budget did not give it, and no forward pass of the draft holds more
+than the engine's `max_num_batched_tokens` tokens (the activations the budget has room for, the draft being
+no larger than the target). Per sequence it keeps the tokens its blocks hold keys and values for. Before a
+step it brings every decoding sequence up to its tokens at once: the prefix both share is kept (the drafts
+the target kept are exactly the draft's own tokens), the rest (at least the last token; the whole prompt for
+a sequence new to the draft) runs as ragged batches over all the sequences, and then k - 1 more passes of
+one token per sequence draw the other guesses, each from its own logits: greedy requests take the argmax (a
 sure guess), sampled ones draw from the draft's distribution after the request's temperature, min-p,
 top-k and top-p, which the rejection sampler needs (`Sequence.draft_probs`). A seeded request draws its
 guesses from noise of its own seed (a stream apart from its verification's), so its output does not depend
@@ -66,13 +68,19 @@ class DraftModelProposer:
     """Guesses up to k tokens for every decoding sequence with `model`, all sequences in one batch per guess."""
 
     def __init__(self, model: CausalLM, num_speculative_tokens: int, *, num_blocks: int, block_size: int = 16,
-                 attention_backend: AttentionBackend | None = None, seed: int = 0) -> None:
+                 attention_backend: AttentionBackend | None = None, max_tokens_per_pass: int = 2048,
+                 seed: int = 0) -> None:
         """A pool of `num_blocks` blocks of `block_size` tokens (the engine gives its own pool's); the attention
-        backend the engine runs (None: the one `select_backend` picks for the draft's device and dtype)."""
+        backend the engine runs (None: the one `select_backend` picks for the draft's device and dtype); at most
+        `max_tokens_per_pass` tokens in one forward pass (the engine's `max_num_batched_tokens`, whose activations
+        its budget has room for)."""
         if attention_backend is None:
             attention_backend = select_backend("auto", model.device, model.dtype, None, block_size)
+        if max_tokens_per_pass < 1:
+            raise ValueError(f"max_tokens_per_pass must be >= 1, got {max_tokens_per_pass}")
         self.model = model
         self.num_speculative_tokens = num_speculative_tokens
+        self.max_tokens_per_pass = max_tokens_per_pass
         self.kv_cache = PagedKVCache.for_model(model.config, num_blocks, block_size, dtype=model.dtype,
                                                device=model.device)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
@@ -85,6 +93,12 @@ class DraftModelProposer:
         """The pool's bytes (fixed for the proposer's life)."""
         return self.kv_cache.nbytes
 
+    def release(self) -> None:
+        """Drop the pool's tensors (the engine is shutting down): the proposer holds no memory afterwards."""
+        for seq in list(self.cached):
+            self._drop(seq)
+        self.kv_cache.release()
+
     @torch.inference_mode()
     def propose(self, sequences: list[Sequence]) -> None:
         """Set each sequence's `draft_token_ids` (up to k) and, for a sampled request, `draft_probs` (k, V)."""
@@ -93,19 +107,34 @@ class DraftModelProposer:
         plans = [plan for plan in map(self._plan, sequences) if plan is not None]
         drafts: dict[Sequence, list[int]] = {plan.seq: [] for plan in plans}
         probs: dict[Sequence, list[torch.Tensor]] = {plan.seq: [] for plan in plans}
-        # First pass: what each sequence's blocks lack (at least its last token); then one guess per pass.
-        active = plans
-        chunks = [plan.tokens[plan.num_cached:] for plan in plans]
-        starts = [plan.num_cached for plan in plans]
-        for guess in range(max((plan.num_drafts for plan in plans), default=0)):
-            logits = self._forward([plan.seq for plan in active], starts, chunks)  # (len(active), vocab)
-            tokens = self._draw(active, logits, guess, probs)
-            for plan, token in zip(active, tokens):
+        # First what each sequence's blocks lack (at least its last token; a whole prompt for a sequence new to the
+        # draft), in passes of at most max_tokens_per_pass tokens; a sequence draws its first guess from the pass
+        # that reaches its last token.
+        pending = [(plan, plan.num_cached) for plan in plans]  # (plan, the next position its blocks lack)
+        while pending:
+            room, pieces, rest = self.max_tokens_per_pass, [], []
+            for plan, start in pending:
+                take = min(len(plan.tokens) - start, room)
+                if take:
+                    pieces.append((plan, start, plan.tokens[start : start + take]))
+                    room -= take
+                if start + take < len(plan.tokens):
+                    rest.append((plan, start + take))
+            ends = [j for j, (plan, start, chunk) in enumerate(pieces) if start + len(chunk) == len(plan.tokens)]
+            logits = self._forward([plan.seq for plan, _, _ in pieces], [start for _, start, _ in pieces],
+                                   [chunk for _, _, chunk in pieces], ends)  # (len(ends), vocab)
+            finished = [pieces[j][0] for j in ends]
+            for plan, token in zip(finished, self._draw(finished, logits, 0, probs)):
                 drafts[plan.seq].append(token)
-            still = [i for i, plan in enumerate(active) if plan.num_drafts > guess + 1]
-            starts = [len(active[i].tokens) + guess for i in still]  # the guess just drawn runs next
-            chunks = [[tokens[i]] for i in still]
-            active = [active[i] for i in still]
+            pending = rest
+        # Then one guess per pass: the one just drawn runs, at the position after the last.
+        active = [plan for plan in plans if plan.num_drafts > 1]
+        for guess in range(1, max((plan.num_drafts for plan in plans), default=0)):
+            starts = [len(plan.tokens) + guess - 1 for plan in active]
+            logits = self._forward([plan.seq for plan in active], starts, [[drafts[plan.seq][-1]] for plan in active])
+            for plan, token in zip(active, self._draw(active, logits, guess, probs)):
+                drafts[plan.seq].append(token)
+            active = [plan for plan in active if plan.num_drafts > guess + 1]
         for plan in plans:  # only now, after every pass ran: what the blocks hold (the last guess was not run)
             seq = plan.seq
             self.cached[seq] = plan.tokens + drafts[seq][:-1]
@@ -149,9 +178,10 @@ class DraftModelProposer:
         blocks.append_slots(seq, len(tokens) + num_drafts - 1)
         return _Plan(seq, tokens, shared, num_drafts)
 
-    def _forward(self, sequences: list[Sequence], starts: list[int], chunks: list[list[int]]) -> torch.Tensor:
+    def _forward(self, sequences: list[Sequence], starts: list[int], chunks: list[list[int]],
+                 rows: list[int] | None = None) -> torch.Tensor:
         """One ragged batch through the draft: chunk b at positions starts[b] onwards of sequence b; the logits of
-        each chunk's last token, (B, vocab)."""
+        the last token of each chunk `rows` names (all by default), (len(rows), vocab)."""
         model, block_size = self.model, self.kv_cache.block_size
         counts = [len(chunk) for chunk in chunks]
         metadata = AttentionMetadata.build([self.block_manager.block_tables[seq] for seq in sequences], starts, counts,
@@ -160,8 +190,10 @@ class DraftModelProposer:
         positions = torch.tensor(np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts)]),
                                  device=model.device)[None]  # (1, N)
         hidden = model(input_ids, PagedAttentionStep(self.kv_cache, self.attention_backend, metadata), positions)
-        last_rows = torch.tensor(np.cumsum(counts) - 1, device=model.device)  # (B,)
-        return model.compute_logits(hidden[0, last_rows])  # (B, vocab)
+        last_rows = np.cumsum(counts) - 1  # (B,)
+        if rows is not None:
+            last_rows = last_rows[rows]
+        return model.compute_logits(hidden[0, torch.tensor(last_rows, device=model.device)])  # (rows, vocab)
 
     def _draw(self, plans: list[_Plan], logits: torch.Tensor, guess: int,
               probs: dict[Sequence, list[torch.Tensor]]) -> list[int]:
