@@ -14,6 +14,14 @@ freed heap back to the kernel, so the step's memory is faulted in once and reuse
 that the process keeps its peak heap (the step's temporaries, tens of MB) for its lifetime, as a GPU
 engine keeps its cached blocks. It is a setting of the process's allocator, like
 `torch.set_num_threads`; an engine on the CPU makes it when it is built.
+
+A second kind of memory a CPU engine keeps: oneDNN, which runs PyTorch's bfloat16 matrix products on the
+CPU, compiles a primitive per shape and caches it, and so does ideep, PyTorch's wrapper around it: up to
+1,024 shapes each by default. A step's shapes follow its number of tokens, which changes all the time
+under load, so a server in bfloat16 fills both caches over minutes: measured here, a product with the
+bundled 4-bit model's head at 600 random row counts grew malloc's memory in use from 223 to 371 MB, and
+stayed at 227 MB with both caches at 8 shapes. `bound_shape_caches` caps them for a long-lived process
+(`serve` does); both read their variable once, at their first use, so it must run before any oneDNN work.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+from collections.abc import MutableMapping
 
 logger = logging.getLogger(__name__)
 
@@ -46,3 +55,15 @@ def keep_freed_host_memory(max_block_bytes: int = MAX_HEAP_BLOCK) -> bool:
     if not ok:
         logger.info("malloc did not take the settings that keep freed host memory")
     return ok
+
+
+# oneDNN's primitive cache and ideep's cache of oneDNN primitives: the shapes each keeps (1,024 by default).
+SHAPE_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_shape_caches(environ: MutableMapping[str, str], capacity: int) -> dict[str, str]:
+    """Cap oneDNN's and ideep's caches of compiled primitives at `capacity` shapes each, where `environ` (the
+    process's environment, given by the command line) does not set them already; returns what they are."""
+    if capacity < 1:
+        raise ValueError(f"a shape cache's capacity must be >= 1, got {capacity}")
+    return {name: environ.setdefault(name, str(capacity)) for name in SHAPE_CACHE_VARIABLES}
