@@ -42,3 +42,66 @@ def test_cuda_without_cuda_is_a_clear_error() -> None:
 def test_auto_dtype_on_gpu() -> None:
     major, _ = torch.cuda.get_device_capability()
     assert resolve_dtype("auto", torch.device("cuda")) == (torch.bfloat16 if major >= 8 else torch.float16)
+
+
+# Emulated profiles (LLM_RUNTIME_DEVICE_PROFILE): a CPU run applies a GPU's rules while computing on the CPU.
+
+def test_the_cpu_profile_is_the_default_and_a_bad_name_is_refused() -> None:
+    from llm_runtime.device import CPU_PROFILE, device_profile
+
+    assert device_profile("cpu", environ={}) is CPU_PROFILE
+    assert device_profile("cpu", environ={"LLM_RUNTIME_DEVICE_PROFILE": "cpu"}) is CPU_PROFILE
+    with pytest.raises(ValueError, match="LLM_RUNTIME_DEVICE_PROFILE must be one of cpu, t4, a100, h100"):
+        device_profile("cpu", environ={"LLM_RUNTIME_DEVICE_PROFILE": "v100x"})
+
+
+def test_a_t4_profile_refuses_bfloat16_and_the_sm80_kernels(monkeypatch) -> None:
+    from llm_runtime import load_model
+    from llm_runtime.attention.flash import FlashAttentionBackend
+    from llm_runtime.attention.flex import FlexAttentionBackend
+    from llm_runtime.device import device_profile
+
+    monkeypatch.setenv("LLM_RUNTIME_DEVICE_PROFILE", "t4")
+    cpu = torch.device("cpu")
+    profile = device_profile(cpu)
+    assert profile.emulated and profile.capability == (7, 5) and not profile.supports_bfloat16
+    assert resolve_dtype("auto", cpu) == torch.float16  # what a T4 runs, computed on the CPU
+    assert "bfloat16 needs compute capability 8.0" in profile.dtype_reason(torch.bfloat16)
+    assert profile.dtype_reason(torch.float16) is None
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        assert "compute capability 8.0" in profile.quantized_reason(dtype)
+    assert "8.0" in FlashAttentionBackend.is_available(cpu, torch.float16)
+    assert "8.0" in FlexAttentionBackend.is_available(cpu, torch.float16)
+    # The loader refuses before it reads a byte, with the reason a T4 would give.
+    with pytest.raises(ValueError, match="bfloat16 needs compute capability 8.0"):
+        load_model(dtype="bfloat16", device="cpu")
+    with pytest.raises(ValueError, match="int4 and int8 CUDA kernels"):
+        load_model(quantization="gguf", device="cpu")
+
+
+@pytest.mark.parametrize("name", ["a100", "h100"])
+def test_an_ampere_or_newer_profile_allows_them_in_bfloat16_only(monkeypatch, name: str) -> None:
+    from llm_runtime import load_model
+    from llm_runtime.attention.flash import FlashAttentionBackend
+    from llm_runtime.device import device_profile
+
+    monkeypatch.setenv("LLM_RUNTIME_DEVICE_PROFILE", name)
+    cpu = torch.device("cpu")
+    profile = device_profile(cpu)
+    assert profile.supports_bfloat16 and profile.ampere_reason("flash") is None
+    assert resolve_dtype("auto", cpu) == torch.bfloat16
+    assert profile.dtype_reason(torch.bfloat16) is None and profile.quantized_reason(torch.bfloat16) is None
+    # The GPU's quantized kernels compute in bfloat16 only: float32, which the CPU allows, is refused as on CUDA.
+    assert "not torch.float32" in profile.quantized_reason(torch.float32)
+    with pytest.raises(ValueError, match="not torch.float32"):
+        load_model(quantization="gguf", dtype="float32", device="cpu")
+    # FlashAttention 2's rule holds; what stops it is that the CPU is no GPU.
+    assert FlashAttentionBackend.is_available(cpu, torch.bfloat16) == "FlashAttention 2 needs a CUDA GPU"
+
+
+def test_the_cpu_allows_quantized_layers_in_float32_and_bfloat16() -> None:
+    from llm_runtime.device import CPU_PROFILE
+
+    assert CPU_PROFILE.default_dtype == torch.float32 and CPU_PROFILE.supports_bfloat16
+    assert CPU_PROFILE.quantized_reason(torch.float32) is None and CPU_PROFILE.quantized_reason(torch.bfloat16) is None
+    assert "not torch.float16" in CPU_PROFILE.quantized_reason(torch.float16)

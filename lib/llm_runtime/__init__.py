@@ -13,7 +13,7 @@ model runner, `LLMEngine`, `LLM`), `serving/` (async engine, OpenAI-compatible s
 
 from .attention import ContiguousKVCache, PagedKVCache
 from .config import EngineConfig, ModelConfig, RopeConfig
-from .device import resolve_device, resolve_dtype
+from .device import DeviceProfile, device_profile, resolve_device, resolve_dtype
 from .errors import EngineBusyError, EngineDeadError, InvalidRequestError
 from .engine import (LLM, BlockAllocator, BlockManager, CompletionOutput, EngineStats, IncrementalDetokenizer,
                      LLMEngine, ModelRunner, RequestMetrics, RequestOutput, ScheduledBatch, Scheduler, Sequence,
@@ -30,6 +30,7 @@ __all__ = [
     "CausalLM",
     "CompletionOutput",
     "ContiguousKVCache",
+    "DeviceProfile",
     "EngineBusyError",
     "EngineConfig",
     "EngineDeadError",
@@ -54,6 +55,7 @@ __all__ = [
     "SequenceStatus",
     "StaticBatchRunner",
     "StepRecord",
+    "device_profile",
     "encode_chat",
     "generate",
     "load_model",

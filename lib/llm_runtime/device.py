@@ -1,12 +1,112 @@
-"""Device and dtype, chosen in one place.
+"""Device and dtype, chosen in one place, and what a device can do, described in one place.
 
 "auto" means: CUDA when present, else CPU; bfloat16 on GPUs that support it natively (compute
 capability 8.0+, Ampere and later), float16 on older ones (a T4), float32 on CPU.
+
+`device_profile(device)` says what a device can run: its compute capability, the dtypes it computes in
+natively, its memory, and the kernels that need Ampere or newer (FlashAttention 2, flex's Triton lowering,
+the int4 and int8 quantized products). Whoever chooses a path asks it: `resolve_dtype`, the loader, the
+attention backends. On the CPU, `LLM_RUNTIME_DEVICE_PROFILE=t4 | a100 | h100` makes the profile that GPU's:
+the run still computes on the CPU, but takes that GPU's dtype default and refuses what it would refuse, so a
+CPU run catches a lesson that would raise on a reader's T4.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 import torch
+
+DEVICE_PROFILE_ENV = "LLM_RUNTIME_DEVICE_PROFILE"
+AMPERE = (8, 0)  # bfloat16 in hardware, FlashAttention 2, Triton's flex templates, the quantized kernels
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What one device can run. `capability` is None for the CPU; `emulated` when a CPU run plays a GPU."""
+
+    name: str
+    capability: tuple[int, int] | None = None
+    memory_bytes: int | None = None  # None: the CPU's, which EngineConfig.cpu_device_memory emulates
+    emulated: bool = False
+
+    @property
+    def is_gpu(self) -> bool:
+        """Whether a GPU's rules apply (on a GPU, or on the CPU playing one)."""
+        return self.capability is not None
+
+    @property
+    def default_dtype(self) -> torch.dtype:
+        """What "auto" resolves to: float32 on the CPU, bfloat16 from Ampere on, float16 before it."""
+        if not self.is_gpu:
+            return torch.float32
+        return torch.bfloat16 if self.supports_bfloat16 else torch.float16
+
+    @property
+    def supports_bfloat16(self) -> bool:
+        return not self.is_gpu or self.capability >= AMPERE
+
+    def dtype_reason(self, dtype: torch.dtype) -> str | None:
+        """None when the device computes in `dtype`; else why not (a T4 has no bfloat16)."""
+        if dtype == torch.bfloat16 and not self.supports_bfloat16:
+            return f"bfloat16 needs compute capability 8.0 or newer, and this is {self.describe()} (use float16)"
+        return None
+
+    def ampere_reason(self, kernels: str) -> str | None:
+        """None when kernels that need compute capability 8.0 run here; else why `kernels` (plural) cannot."""
+        if self.is_gpu and self.capability < AMPERE:
+            return f"{kernels} need compute capability 8.0 or newer, and this is {self.describe()}"
+        return None
+
+    def quantized_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The dtypes quantized layers compute in: bfloat16 (the GPU kernels' only one) or, on the CPU, float32."""
+        if not self.is_gpu:
+            return (torch.bfloat16, torch.float32)
+        return (torch.bfloat16,) if self.supports_bfloat16 else ()
+
+    def quantized_reason(self, dtype: torch.dtype) -> str | None:
+        """None when quantized layers (int8, int4, gguf) run here in `dtype`; else why not."""
+        reason = self.ampere_reason("the int4 and int8 CUDA kernels")
+        if reason is not None:
+            return reason
+        allowed = self.quantized_dtypes()
+        if dtype not in allowed:
+            names = " or ".join(str(d) for d in allowed)
+            return f"quantized layers compute in {names} on {self.describe()}, not {dtype}"
+        return None
+
+    def describe(self) -> str:
+        if not self.is_gpu:
+            return "the CPU"
+        major, minor = self.capability
+        played = ", played by the CPU" if self.emulated else ""
+        return f"a {self.name}, compute capability {major}.{minor}{played}"
+
+
+# The GPUs a reader has, as a CPU run can play them: their compute capability and memory.
+EMULATED_PROFILES: dict[str, DeviceProfile] = {
+    "t4": DeviceProfile("T4", (7, 5), 15 * 2**30, emulated=True),
+    "a100": DeviceProfile("A100", (8, 0), 40 * 2**30, emulated=True),
+    "h100": DeviceProfile("H100", (9, 0), 80 * 2**30, emulated=True),
+}
+CPU_PROFILE = DeviceProfile("CPU")
+
+
+def device_profile(device: torch.device | str = "cpu", environ: Mapping[str, str] | None = None) -> DeviceProfile:
+    """What `device` can run: a GPU's own properties on CUDA; on the CPU, the CPU, or the GPU that
+    `LLM_RUNTIME_DEVICE_PROFILE` in `environ` (the process's environment by default) names."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        return DeviceProfile(properties.name, tuple(torch.cuda.get_device_capability(device)), properties.total_memory)
+    name = (os.environ if environ is None else environ).get(DEVICE_PROFILE_ENV, "").strip().lower()
+    if not name or name == "cpu":
+        return CPU_PROFILE
+    if name not in EMULATED_PROFILES:
+        raise ValueError(f"{DEVICE_PROFILE_ENV} must be one of cpu, {', '.join(EMULATED_PROFILES)}, got {name!r}")
+    return EMULATED_PROFILES[name]
 
 _DTYPE_NAMES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -39,8 +139,4 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None
         if dtype not in _DTYPE_NAMES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPE_NAMES)}, got {dtype!r}")
         return _DTYPE_NAMES[dtype]
-    device = device if device is not None else resolve_device("auto")
-    if device.type == "cuda":
-        major, _ = torch.cuda.get_device_capability(device)
-        return torch.bfloat16 if major >= 8 else torch.float16
-    return torch.float32
+    return device_profile(device if device is not None else resolve_device("auto")).default_dtype

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..device import device_profile
 from .backend import AttentionBackend
 from .metadata import AttentionMetadata
 
@@ -70,7 +71,9 @@ class FlashAttentionBackend(AttentionBackend):
     @classmethod
     def is_available(cls, device: torch.device, dtype: torch.dtype) -> str | None:
         if device.type != "cuda":
-            return "FlashAttention 2 needs a CUDA GPU"
+            profile = device_profile(device)  # the CPU playing a GPU: that GPU's rule first, then the CPU's
+            reason = capability_reason(profile.capability, dtype) if profile.emulated else None
+            return reason or "FlashAttention 2 needs a CUDA GPU"
         return _installed_reason() or capability_reason(torch.cuda.get_device_capability(device), dtype)
 
     @classmethod

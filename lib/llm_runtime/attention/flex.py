@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..device import device_profile
 from .backend import AttentionBackend
 from .metadata import AttentionMetadata
 
@@ -276,6 +277,9 @@ class FlexAttentionBackend(AttentionBackend):
         if _TORCH_REASON is not None:
             return _TORCH_REASON
         if device.type == "cpu":
+            profile = device_profile(device)
+            if profile.emulated and (reason := cuda_unavailable_reason(profile.capability, dtype)) is not None:
+                return reason  # the CPU playing a T4: where flex would not run on that GPU, it does not run here
             if dtype not in _CPU_DTYPES:
                 return f"inductor's CPU FlexAttention template does not support {dtype}"
             try:

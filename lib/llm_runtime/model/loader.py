@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from ..config import ModelConfig
-from ..device import resolve_device, resolve_dtype
+from ..device import device_profile, resolve_device, resolve_dtype
 from .tokenizer import Tokenizer, load_tokenizer
 from .bundled import find_bundled_gguf, prepare_bundled_model
 from .causal_lm import CausalLM
@@ -51,6 +51,9 @@ def load_model(
         resolved_dtype = _quantized_dtype(quantization, dtype, resolved_device, name_or_path)
     else:
         resolved_dtype = resolve_dtype(dtype, resolved_device)
+        reason = device_profile(resolved_device).dtype_reason(resolved_dtype)
+        if reason is not None:
+            raise ValueError(reason)
     folder = resolve_model_folder(name_or_path, cache_dir)
     model = load_checkpoint(folder, device=resolved_device, dtype=resolved_dtype)
     if quantization == "gguf":
@@ -70,12 +73,9 @@ def _quantized_dtype(quantization: str, dtype: str | torch.dtype, device: torch.
     if quantization == "gguf" and name_or_path is not None:
         raise ValueError("quantization='gguf' loads the bundled model's own GGUF blocks; pass no model name")
     resolved = torch.bfloat16 if dtype == "auto" else resolve_dtype(dtype, device)
-    allowed = (torch.bfloat16,) if device.type == "cuda" else (torch.bfloat16, torch.float32)
-    if resolved not in allowed:
-        raise ValueError(f"quantized layers compute in {' or '.join(str(d) for d in allowed)} on {device.type}, "
-                         f"not {resolved}")
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
-        raise ValueError("the int4 and int8 CUDA kernels need compute capability 8.0 or newer (bfloat16)")
+    reason = device_profile(device).quantized_reason(resolved)
+    if reason is not None:
+        raise ValueError(reason)
     return resolved
 
 
