@@ -33,21 +33,24 @@ lab: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[lab]"
 	$(BIN)/jupyter lab notebooks/
 
-# The unit tests and every lesson in float32, then again in bfloat16 (what a GPU runs) the lessons whose numbers
-# the dtype changes: the model, its sampling and a batch's state by hand (01-03), the KV cache's bytes and the
-# emulated device's budget (06, 07), the attention kernels (11) and the compiled step (12). The second pass leaves
-# out (the suite's 40 minutes): the scheduling, caching, benchmarking and serving lessons (04, 05, 08, 09, 10),
-# whose token checks run on a float32 copy whatever the dtype (llm_runtime.lessons.equality; a bfloat16 engine
-# under prefix hits, forks and preemption is tests/engine/test_attention_backends.py's); lesson 13, which compares
-# dtypes itself (LLM_RUNTIME_DTYPE does not apply to it); and lesson 14, which checks its tokens on a float32
-# copy and times the CPU's default (tests/engine/test_speculative_decoding.py runs speculation in bfloat16).
-BF16_LESSONS := 01 02 03 06 07 11 12
-BF16_NOTEBOOKS := $(foreach n,$(BF16_LESSONS),$(wildcard notebooks/$(n)_*.ipynb))
+# The unit tests and every lesson in float32 (a CPU reader's run); then the CPU plays the GPUs a reader has
+# (LLM_RUNTIME_DEVICE_PROFILE, device.py: their dtype rules and kernels, computed on the CPU; timed loads a
+# quarter of their size, lessons.workload_size). Under an H100's rules ("auto" is bfloat16) the lessons whose
+# numbers the dtype changes: the model, its sampling and a batch's state by hand (01-03), the KV cache's bytes
+# and the emulated budget (06, 07), and the lessons that branch on the device (11-14). Under a T4's (float16; no
+# bfloat16, no quantized kernels, no FlashAttention 2 or flex) lessons 11-14, which skip what a T4 lacks and say
+# why. Left out of the profile passes: the scheduling, caching, benchmarking and serving lessons (04, 05, 08,
+# 09, 10), whose token checks run on a float32 copy whatever the dtype (llm_runtime.lessons.equality).
+H100_LESSONS := 01 02 03 06 07 11 12 13 14
+T4_LESSONS := 11 12 13 14
+H100_NOTEBOOKS := $(foreach n,$(H100_LESSONS),$(wildcard notebooks/$(n)_*.ipynb))
+T4_NOTEBOOKS := $(foreach n,$(T4_LESSONS),$(wildcard notebooks/$(n)_*.ipynb))
 test: $(STAMP)
-	@test $(words $(BF16_NOTEBOOKS)) -eq $(words $(BF16_LESSONS)) || \
-		{ echo "BF16_LESSONS names $(BF16_LESSONS), found $(BF16_NOTEBOOKS)"; exit 1; }
+	@test $(words $(H100_NOTEBOOKS)) -eq $(words $(H100_LESSONS)) -a $(words $(T4_NOTEBOOKS)) -eq $(words $(T4_LESSONS)) || \
+		{ echo "H100_LESSONS/T4_LESSONS name lessons that are not in notebooks/"; exit 1; }
 	$(BIN)/python -m pytest -q tests notebooks --nbval-lax --durations=10
-	LLM_RUNTIME_DTYPE=bfloat16 $(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --durations=5 $(BF16_NOTEBOOKS)
+	LLM_RUNTIME_DEVICE_PROFILE=h100 $(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --durations=5 $(H100_NOTEBOOKS)
+	LLM_RUNTIME_DEVICE_PROFILE=t4 $(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --durations=5 $(T4_NOTEBOOKS)
 
 clean-venv:
 	rm -rf $(VENV)

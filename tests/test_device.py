@@ -72,7 +72,12 @@ def test_a_t4_profile_refuses_bfloat16_and_the_sm80_kernels(monkeypatch) -> None
         assert "compute capability 8.0" in profile.quantized_reason(dtype)
     assert "8.0" in FlashAttentionBackend.is_available(cpu, torch.float16)
     assert "8.0" in FlexAttentionBackend.is_available(cpu, torch.float16)
-    # The loader refuses before it reads a byte, with the reason a T4 would give.
+    # The loader refuses before it reads a byte, with the reason a T4 would give; load_reason says it beforehand.
+    from llm_runtime import load_reason
+
+    assert load_reason("cpu") is None and load_reason("cpu", dtype="float32") is None
+    assert "bfloat16 needs compute capability 8.0" in load_reason("cpu", dtype="bfloat16")
+    assert "int4 and int8 CUDA kernels" in load_reason("cpu", quantization="int8", group_size=32)
     with pytest.raises(ValueError, match="bfloat16 needs compute capability 8.0"):
         load_model(dtype="bfloat16", device="cpu")
     with pytest.raises(ValueError, match="int4 and int8 CUDA kernels"):
@@ -93,15 +98,26 @@ def test_an_ampere_or_newer_profile_allows_them_in_bfloat16_only(monkeypatch, na
     assert profile.dtype_reason(torch.bfloat16) is None and profile.quantized_reason(torch.bfloat16) is None
     # The GPU's quantized kernels compute in bfloat16 only: float32, which the CPU allows, is refused as on CUDA.
     assert "not torch.float32" in profile.quantized_reason(torch.float32)
+    from llm_runtime import load_reason
+
+    assert load_reason("cpu", quantization="gguf") is None and load_reason("cpu", dtype="bfloat16") is None
+    assert "not torch.float32" in load_reason("cpu", quantization="int8", group_size=32, dtype="float32")
     with pytest.raises(ValueError, match="not torch.float32"):
         load_model(quantization="gguf", dtype="float32", device="cpu")
     # FlashAttention 2's rule holds; what stops it is that the CPU is no GPU.
     assert FlashAttentionBackend.is_available(cpu, torch.bfloat16) == "FlashAttention 2 needs a CUDA GPU"
 
 
-def test_the_cpu_allows_quantized_layers_in_float32_and_bfloat16() -> None:
+def test_the_cpu_allows_quantized_layers_in_float32_and_bfloat16(monkeypatch) -> None:
     from llm_runtime.device import CPU_PROFILE
+
+    monkeypatch.delenv("LLM_RUNTIME_DEVICE_PROFILE", raising=False)
 
     assert CPU_PROFILE.default_dtype == torch.float32 and CPU_PROFILE.supports_bfloat16
     assert CPU_PROFILE.quantized_reason(torch.float32) is None and CPU_PROFILE.quantized_reason(torch.bfloat16) is None
     assert "not torch.float16" in CPU_PROFILE.quantized_reason(torch.float16)
+    from llm_runtime import load_reason
+
+    assert load_reason("cpu", quantization="gguf", dtype="float32") is None
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        load_reason("cpu", quantization="int3")

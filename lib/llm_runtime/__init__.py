@@ -19,7 +19,7 @@ from .engine import (LLM, BlockAllocator, BlockManager, CompletionOutput, Engine
                      LLMEngine, ModelRunner, RequestMetrics, RequestOutput, ScheduledBatch, Scheduler, Sequence,
                      SequenceStatus, StepRecord, generate)
 from .lessons import StaticBatchRunner
-from .model import BUNDLED_MODEL_NAME, CausalLM, ModelLoadError, load_model, prepare_bundled_model
+from .model import BUNDLED_MODEL_NAME, CausalLM, ModelLoadError, load_model, load_reason, prepare_bundled_model
 from .model.tokenizer import encode_chat, load_tokenizer
 from .sampling import Sampler, SamplerOutput, SamplingParams
 
@@ -59,6 +59,7 @@ __all__ = [
     "encode_chat",
     "generate",
     "load_model",
+    "load_reason",
     "load_tokenizer",
     "prepare_bundled_model",
     "resolve_device",

@@ -71,8 +71,8 @@ CPU_BACKENDS_BFLOAT16 = [name for name, reason in available_backends("cpu", torc
 def test_a_bfloat16_engine_under_prefix_hits_forks_and_preemption(tiny_pairs, backend: str) -> None:
     """In bfloat16 (what a GPU runs) a request's tokens depend on the rows it was batched with, so they are not
     compared with a run alone; what must hold is the engine's: every completion of every request, every block
-    back, and the same schedule giving the same tokens twice. (The lessons' bfloat16 pass leaves the scheduling
-    lessons out on the strength of this test: their token checks run on float32 copies.)"""
+    back, and the same schedule giving the same tokens twice. (The lessons' H100-profile pass, in bfloat16, leaves
+    the scheduling lessons out on the strength of this test: their token checks run on float32 copies.)"""
     model = copy.deepcopy(tiny_pairs["qwen3"][0]).bfloat16()
     workload = shared_prefix_workload(model.config.vocab_size, num_requests=24, seed=2)
     need = blocks_unconstrained(workload)

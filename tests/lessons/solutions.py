@@ -583,6 +583,14 @@ def paged_decode_whole_last_block(query: torch.Tensor, key_pool: torch.Tensor, v
     return _paged_decode(query, key_pool, value_pool, block_table, seq_len, whole_blocks=True)
 
 
+def paged_decode_gathering_the_history(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                                      block_table: list[int], seq_len: int) -> torch.Tensor:
+    """The right numbers, from the whole history gathered at once: what the task forbids."""
+    from llm_runtime.lessons.exercises.lesson11 import package_paged_decode
+
+    return package_paged_decode(query, key_pool, value_pool, block_table, seq_len)
+
+
 # ------------------------------------------------------------------------------------------ the index
 # ------------------------------------------------------------------------------------------ lesson 12
 def slot_mappings(block_tables: list[list[int]], starts: list[int], num_new_tokens: list[int],
@@ -607,6 +615,22 @@ def slot_mappings_offset_by_block_index(block_tables: list[list[int]], starts: l
             for b, (start, count) in enumerate(zip(starts, num_new_tokens)) for p in range(start, start + count)]
 
 
+def slot_mappings_a_loop_per_token(block_tables: list[list[int]], starts: list[int], num_new_tokens: list[int],
+                                   block_size: int) -> list[int]:
+    return [block_tables[b][p // block_size] * block_size + p % block_size  # right, but one Python step a token
+            for b, (start, count) in enumerate(zip(starts, num_new_tokens)) for p in range(start, start + count)]
+
+
+def slot_mappings_a_tensor_per_token(block_tables: list[list[int]], starts: list[int], num_new_tokens: list[int],
+                                     block_size: int) -> list[int]:
+    slots = []
+    for b, (start, count) in enumerate(zip(starts, num_new_tokens)):
+        table = torch.tensor(block_tables[b])
+        for p in range(start, start + count):  # right, but tensor operations for every token
+            slots.append(int(table[p // block_size] * block_size + p % block_size))
+    return slots
+
+
 def fused_qkv(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
               v_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out = x @ torch.cat([q_weight, k_weight, v_weight]).T  # (tokens, q + k + v)
@@ -616,6 +640,11 @@ def fused_qkv(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
 def fused_qkv_split_in_thirds(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                               v_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tuple((x @ torch.cat([q_weight, k_weight, v_weight]).T).chunk(3, dim=-1))
+
+
+def fused_qkv_three_multiplies(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                               v_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return x @ q_weight.T, x @ k_weight.T, x @ v_weight.T  # right, but three multiplies
 
 
 def quantize_groups(weight: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -693,26 +722,45 @@ def propose_shortest_match_first(token_ids: list[int], num_tokens: int, max_n: i
     return []
 
 
-def verify_greedy(draft_token_ids: list[int], logits: torch.Tensor) -> list[int]:
-    best = logits.argmax(dim=-1).tolist()
-    kept = 0
-    while kept < len(draft_token_ids) and draft_token_ids[kept] == best[kept]:
-        kept += 1
-    return draft_token_ids[:kept] + [best[kept]]
+def verify_sampled(draft_token_ids: list[int], target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                   uniform: torch.Tensor, noise: torch.Tensor) -> list[int]:
+    kept = []
+    for i, d in enumerate(draft_token_ids):
+        if uniform[i] * draft_probs[i, d] < target_probs[i, d]:
+            kept.append(d)
+            continue
+        residual = (target_probs[i] - draft_probs[i]).clamp_min(0)
+        if residual.sum() <= 0:
+            residual = target_probs[i]
+        return kept + [int((residual / noise[i]).argmax())]
+    k = len(draft_token_ids)
+    return kept + [int((target_probs[k] / noise[k]).argmax())]
 
 
-def verify_greedy_without_the_bonus(draft_token_ids: list[int], logits: torch.Tensor) -> list[int]:
-    best = logits.argmax(dim=-1).tolist()
-    kept = 0
-    while kept < len(draft_token_ids) and draft_token_ids[kept] == best[kept]:
-        kept += 1
-    return draft_token_ids[:kept] + ([best[kept]] if kept < len(draft_token_ids) else [])
+def verify_sampled_replacing_from_p(draft_token_ids: list[int], target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                                    uniform: torch.Tensor, noise: torch.Tensor) -> list[int]:
+    kept = []  # draws a rejected draft's replacement from p itself: p's mass where q also had it comes out twice
+    for i, d in enumerate(draft_token_ids):
+        if uniform[i] * draft_probs[i, d] < target_probs[i, d]:
+            kept.append(d)
+            continue
+        return kept + [int((target_probs[i] / noise[i]).argmax())]
+    k = len(draft_token_ids)
+    return kept + [int((target_probs[k] / noise[k]).argmax())]
 
 
-def verify_greedy_keeping_later_matches(draft_token_ids: list[int], logits: torch.Tensor) -> list[int]:
-    best = logits.argmax(dim=-1).tolist()  # keeps every draft that matches, even after a wrong one
-    kept = [d for d, b in zip(draft_token_ids, best) if d == b]
-    return kept + [best[len(kept)]]
+def verify_sampled_keeping_likelier_drafts(draft_token_ids: list[int], target_probs: torch.Tensor,
+                                           draft_probs: torch.Tensor, uniform: torch.Tensor,
+                                           noise: torch.Tensor) -> list[int]:
+    kept = []  # keeps a draft only when the target likes it at least as much as the drafter (no uniform test)
+    for i, d in enumerate(draft_token_ids):
+        if draft_probs[i, d] <= target_probs[i, d]:
+            kept.append(d)
+            continue
+        residual = (target_probs[i] - draft_probs[i]).clamp_min(0)
+        return kept + [int((residual / noise[i]).argmax())]
+    k = len(draft_token_ids)
+    return kept + [int((target_probs[k] / noise[k]).argmax())]
 
 
 def tokens_per_verification(acceptance_rate: float, k: int) -> float:
@@ -755,7 +803,7 @@ SOLUTIONS: dict[str, Callable] = {
     "lesson13.read_q4_1_block": read_q4_1_block,
     "lesson13.quantize_kv_int8": quantize_kv_int8,
     "lesson14.propose": propose,
-    "lesson14.verify_greedy": verify_greedy,
+    "lesson14.verify_sampled": verify_sampled,
     "lesson14.tokens_per_verification": tokens_per_verification,
 }
 
@@ -785,13 +833,15 @@ WRONG: dict[str, list[Callable]] = {
     "lesson10.parse_chat_stream": [parse_chat_stream_first_choice_only, parse_chat_stream_searching_for_done],
     "lesson10.is_busy": [is_busy_when_full, is_busy_ignoring_the_burst],
     "lesson11.merge_attention": [merge_attention_equal_weights, merge_attention_without_the_max],
-    "lesson11.paged_decode": [paged_decode_without_rescaling, paged_decode_whole_last_block],
-    "lesson12.slot_mappings": [slot_mappings_ignoring_the_start, slot_mappings_offset_by_block_index],
-    "lesson12.fused_qkv": [fused_qkv_split_in_thirds],
+    "lesson11.paged_decode": [paged_decode_without_rescaling, paged_decode_whole_last_block,
+                              paged_decode_gathering_the_history],
+    "lesson12.slot_mappings": [slot_mappings_ignoring_the_start, slot_mappings_offset_by_block_index,
+                               slot_mappings_a_loop_per_token, slot_mappings_a_tensor_per_token],
+    "lesson12.fused_qkv": [fused_qkv_split_in_thirds, fused_qkv_three_multiplies],
     "lesson13.quantize_groups": [quantize_groups_per_row, quantize_groups_symmetric],
     "lesson13.read_q4_1_block": [read_q4_1_block_interleaved],
     "lesson13.quantize_kv_int8": [quantize_kv_int8_per_tensor, quantize_kv_int8_truncated],
     "lesson14.propose": [propose_most_recent_occurrence, propose_shortest_match_first],
-    "lesson14.verify_greedy": [verify_greedy_without_the_bonus, verify_greedy_keeping_later_matches],
+    "lesson14.verify_sampled": [verify_sampled_replacing_from_p, verify_sampled_keeping_likelier_drafts],
     "lesson14.tokens_per_verification": [tokens_per_verification_independent],
 }

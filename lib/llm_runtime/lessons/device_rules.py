@@ -1,15 +1,26 @@
-"""How a lesson meets a feature its reader's device lacks: it says so and skips that part, never raises.
+"""How a lesson meets its reader's device: it skips a part the device lacks, saying why, and sizes its
+timed workloads for a CPU that plays a GPU.
 
-    if runs_here(device_profile(device).quantized_reason(torch.float32), "the 4-bit model in float32"):
+    if runs_here(load_reason(DEVICE, quantization="gguf", dtype="float32"), "the 4-bit model in float32"):
         ...  # the part that needs it
 
 `runs_here` takes the reason a rule gave (None: allowed) and prints, when there is one, what is skipped and
 why, so a reader on a T4 (or a CPU run under `LLM_RUNTIME_DEVICE_PROFILE=t4`) reads why a cell did nothing.
+
+`workload_size(n, device)` is `n` on the device itself, and a quarter of it when the CPU plays a GPU: that run
+checks the GPU's rules (what is refused, what is skipped, which dtype), and its timings are the CPU's in a dtype
+the CPU is slow in (float16 on a T4), so a smaller load tells as much.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+
+import torch
+
+from ..device import device_profile
+
+EMULATED_WORKLOAD_SHARE = 4  # an emulated run times a quarter of each load
 
 
 def runs_here(reason: str | None, what: str, report: Callable[[str], None] = print) -> bool:
@@ -18,3 +29,10 @@ def runs_here(reason: str | None, what: str, report: Callable[[str], None] = pri
         return True
     report(f"Skipped here: {what}. {reason[0].upper()}{reason[1:]}.")
     return False
+
+
+def workload_size(n: int, device: torch.device | str) -> int:
+    """`n` (requests, tokens, steps) on a real device; n / 4 (at least 1) when the CPU plays a GPU."""
+    if device_profile(device).emulated:
+        return max(1, n // EMULATED_WORKLOAD_SHARE)
+    return n

@@ -47,13 +47,11 @@ def load_model(
     layers at load time; "gguf" runs the bundled model's own Q4_1 blocks as
     int4 and keeps its Q8_0 embedding (tied to the head) as int8. A quantized model computes in bfloat16 unless `dtype` says float32 (the kernels' fast path)."""
     resolved_device = resolve_device(device)
-    if quantization is not None:
-        resolved_dtype = _quantized_dtype(quantization, dtype, resolved_device, name_or_path)
-    else:
-        resolved_dtype = resolve_dtype(dtype, resolved_device)
-        reason = device_profile(resolved_device).dtype_reason(resolved_dtype)
-        if reason is not None:
-            raise ValueError(reason)
+    if quantization == "gguf" and name_or_path is not None:
+        raise ValueError("quantization='gguf' loads the bundled model's own GGUF blocks; pass no model name")
+    resolved_dtype, reason = _load_dtype(resolved_device, dtype, quantization)
+    if reason is not None:
+        raise ValueError(reason)
     folder = resolve_model_folder(name_or_path, cache_dir)
     model = load_checkpoint(folder, device=resolved_device, dtype=resolved_dtype)
     if quantization == "gguf":
@@ -65,18 +63,25 @@ def load_model(
     return model, load_tokenizer(folder)
 
 
-def _quantized_dtype(quantization: str, dtype: str | torch.dtype, device: torch.device,
-                     name_or_path: str | Path | None) -> torch.dtype:
-    """The compute dtype of a quantized model, after checking the request can be met here."""
+def load_reason(device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
+                quantization: str | None = None, **_: object) -> str | None:
+    """None when `load_model(..., device=, dtype=, quantization=)` can load here; else the reason it would
+    refuse (a T4 has no bfloat16 and no quantized kernels). Extra keywords (group_size) are accepted and
+    ignored, so a lesson passes a configuration's options as they are: `load_reason(DEVICE, **options)`."""
+    return _load_dtype(resolve_device(device), dtype, quantization)[1]
+
+
+def _load_dtype(device: torch.device, dtype: str | torch.dtype,
+                quantization: str | None) -> tuple[torch.dtype, str | None]:
+    """The dtype a model loads in on `device`, and the reason it cannot (None: it can)."""
+    profile = device_profile(device)
+    if quantization is None:
+        resolved = resolve_dtype(dtype, device)
+        return resolved, profile.dtype_reason(resolved)
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or None, got {quantization!r}")
-    if quantization == "gguf" and name_or_path is not None:
-        raise ValueError("quantization='gguf' loads the bundled model's own GGUF blocks; pass no model name")
-    resolved = torch.bfloat16 if dtype == "auto" else resolve_dtype(dtype, device)
-    reason = device_profile(device).quantized_reason(resolved)
-    if reason is not None:
-        raise ValueError(reason)
-    return resolved
+    resolved = torch.bfloat16 if dtype == "auto" else resolve_dtype(dtype, device)  # the kernels' dtype
+    return resolved, profile.quantized_reason(resolved)
 
 
 def resolve_model_folder(name_or_path: str | Path | None, cache_dir: str | Path | None = None) -> Path:

@@ -110,6 +110,12 @@ def run_cases(exercise: str, candidate: object, cases: Iterable[Case] | Callable
     return Verdict(exercise, True, True, f"All {len(cases)} cases agree with `{reference}`.")
 
 
+def method_verdict(exercise: str, case: Case, headline: str, expected: str, got: str) -> Verdict:
+    """The verdict on an answer that is right but computed otherwise than the task says (operators.py)."""
+    return Verdict(exercise, False, True, f"{headline}\n" + describe_input(exercise, case)
+                   + f"\nexpected: {expected}\ngot:      {got}")
+
+
 def describe_input(exercise: str, case: Case) -> str:
     """The call that failed, one argument per line."""
     lines = [f"on input{f' ({case.note})' if case.note else ''}:", f"  {exercise}("]

@@ -18,7 +18,8 @@ import torch
 from ...attention.blockwise import attention_with_lse, merge_partials
 from ...attention.metadata import AttentionMetadata
 from ...attention.torch_gather import TorchGatherBackend
-from .check import Case, Verdict, close_tensors, run_cases
+from .check import Case, Verdict, close_tensors, method_verdict, run_cases
+from .operators import largest_read, record_operators
 
 _DTYPE = torch.float64
 
@@ -116,5 +117,34 @@ def check_paged_decode(fn: object) -> Verdict:
                              "seq_len": seq_len}, expected, note))
         return out
 
-    return run_cases("paged_decode", fn, cases, close_tensors(rtol=1e-6, atol=1e-9),
-                     "llm_runtime.attention.torch_gather.TorchGatherBackend")
+    verdict = run_cases("paged_decode", fn, cases, close_tensors(rtol=1e-6, atol=1e-9),
+                        "llm_runtime.attention.torch_gather.TorchGatherBackend")
+    if not verdict:
+        return verdict
+    method = _read_block_by_block(fn)
+    return verdict if method is None else method
+
+
+def _read_block_by_block(fn: object) -> Verdict | None:
+    """Fails an answer that copies more out of the pools at once than one block for every query head (a
+    whole-history gather, which the task forbids); None when it reads block by block."""
+    gen = torch.Generator().manual_seed(111)
+    num_heads, num_kv_heads, head_dim, block_size, seq_len = 4, 2, 8, 2, 40  # 20 blocks, scattered
+    table = torch.randperm(30, generator=gen)[:20].tolist()
+    key_pool, value_pool = (torch.randn(30, block_size, num_kv_heads, head_dim, generator=gen, dtype=_DTYPE)
+                            for _ in range(2))
+    query = torch.randn(num_heads, head_dim, generator=gen, dtype=_DTYPE)
+    case = Case({"query": query, "key_pool": key_pool, "value_pool": value_pool, "block_table": table,
+                 "seq_len": seq_len}, None, "20 blocks of 2 positions, 2 KV heads")
+    args = [query.clone(), key_pool.clone(), value_pool.clone(), list(table), seq_len]
+    _, calls = record_operators(fn, *args)
+    one_block = block_size * num_heads * head_dim  # a block's keys (or values), repeated for every query head
+    read = largest_read(calls, args[1:3])
+    if read is None or read[1] <= one_block:
+        return None
+    return method_verdict("paged_decode", case, "It gives the right answer, but not block by block: one operator "
+                          "copied more of the history out of the pools than one block at a time.",
+                          f"at most {one_block} elements copied out of a pool by one operator (one block of "
+                          f"{block_size} positions, for each of {num_heads} query heads)",
+                          f"`{read[0]}` copied {read[1]} elements at once")
+

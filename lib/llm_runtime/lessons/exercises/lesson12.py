@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from ...attention.metadata import AttentionMetadata
-from .check import Case, Compare, Verdict, close_tensors, run_cases, same_value
+from .check import Case, Compare, Verdict, close_tensors, method_verdict, run_cases, same_value
+from .operators import count_matmuls, record_operators
 
 
 def check_slot_mappings(fn: object) -> Verdict:
@@ -41,7 +42,34 @@ def check_slot_mappings(fn: object) -> Verdict:
                      AttentionMetadata.build(t, s, n, block_size=b, device="cpu").slot_mapping.tolist(), note)
                 for t, s, n, b, note in inputs]
 
-    return run_cases("slot_mappings", fn, cases, _as_list(same_value), "llm_runtime.attention.AttentionMetadata.build")
+    verdict = run_cases("slot_mappings", fn, cases, _as_list(same_value),
+                        "llm_runtime.attention.AttentionMetadata.build")
+    if not verdict:
+        return verdict
+    method = _no_loop_per_token(fn)
+    return verdict if method is None else method
+
+
+def _no_loop_per_token(fn: object) -> Verdict | None:
+    """Fails an answer whose tensor operations grow with the number of tokens (a loop per token), or that
+    uses none (a Python loop over the tokens); None when one batch of tensor operations serves any count."""
+    tables, starts, block_size = [[7, 2, 9, 11, 12, 13, 14, 15, 16], [5, 6, 3, 8, 4, 10, 1, 0, 17]], [5, 0], 4
+    counts = {}
+    for tokens in (3, 24):
+        args = [[list(t) for t in tables], list(starts), [tokens, tokens], block_size]
+        _, calls = record_operators(fn, *args)
+        counts[tokens] = len(calls)
+    case = Case({"block_tables": tables, "starts": starts, "num_new_tokens": [24, 24], "block_size": block_size},
+                None, "two sequences, 3 and then 24 new tokens each")
+    expected = "the same tensor operations for 3 new tokens a sequence as for 24 (whole tensors, no loop per token)"
+    if counts[3] == 0:
+        return method_verdict("slot_mappings", case, "It gives the right answer without any tensor operation: a "
+                              "loop over the tokens in Python.", expected, "no tensor operation at all")
+    if counts[24] != counts[3]:
+        return method_verdict("slot_mappings", case, "It gives the right answer, but with a loop per token: the "
+                              "more tokens, the more tensor operations.", expected,
+                              f"{counts[3]} operations for 3 tokens a sequence, {counts[24]} for 24")
+    return None
 
 
 def _as_list(compare: Compare) -> Compare:
@@ -76,4 +104,19 @@ def check_fused_qkv(fn: object) -> Verdict:
                 return f"{name}: {difference}"
         return None
 
-    return run_cases("fused_qkv", fn, cases, compare, "three F.linear calls")
+    verdict = run_cases("fused_qkv", fn, cases, compare, "three F.linear calls")
+    if not verdict:
+        return verdict
+    method = _one_multiply(fn, cases()[1])
+    return verdict if method is None else method
+
+
+def _one_multiply(fn: object, case: Case) -> Verdict | None:
+    """Fails an answer that makes more (or fewer) than one matrix multiply; None when it makes one."""
+    _, calls = record_operators(fn, *[t.clone() for t in case.args.values()])
+    multiplies = count_matmuls(calls)
+    if multiplies == 1:
+        return None
+    return method_verdict("fused_qkv", case, f"It gives the right answer, but with {multiplies} matrix multiplies.",
+                          "one matrix multiply (concatenate the weights once, split the product)",
+                          f"{multiplies} (`mm`, `addmm` and the like, counted as PyTorch runs them)")

@@ -1,8 +1,9 @@
-"""Lesson 14 exercises: prompt lookup, greedy verification of drafts, and what an acceptance rate is worth.
+"""Lesson 14 exercises: prompt lookup, verifying sampled drafts, and what an acceptance rate is worth.
 
 - `propose(token_ids, num_tokens, max_n)`: the n-gram proposer's guesses, against `spec_decode.propose_ngram`.
-- `verify_greedy(draft_token_ids, logits)`: the tokens a greedy request emits after one verification, against
-  `sampling.rejection.rejection_sample` with one-hot targets (what the engine does for greedy requests).
+- `verify_sampled(draft_token_ids, target_probs, draft_probs, uniform, noise)`: the tokens a sampled request
+  emits after one verification (the rejection rule of section 3), against `sampling.rejection.rejection_sample`
+  given the same random numbers.
 - `tokens_per_verification(acceptance_rate, k)`: the expected tokens gained per verification, against
   `spec_decode.expected_tokens_per_verification`.
 """
@@ -13,7 +14,7 @@ import random
 
 import torch
 
-from ...sampling.rejection import one_hot_greedy, rejection_sample
+from ...sampling.rejection import rejection_sample
 from ...spec_decode import expected_tokens_per_verification, propose_ngram
 from .check import Case, Verdict, close_numbers, run_cases, same_value
 
@@ -42,37 +43,46 @@ def check_propose(fn: object) -> Verdict:
     return run_cases("propose", fn, cases, same_value, "llm_runtime.spec_decode.propose_ngram")
 
 
-def _greedy_reference(drafts: list[int], logits: torch.Tensor) -> list[int]:
+def _sampled_reference(drafts: list[int], target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                       uniform: torch.Tensor, noise: torch.Tensor) -> list[int]:
     k = len(drafts)
-    out = rejection_sample(one_hot_greedy(logits)[None], torch.tensor([drafts], dtype=torch.long).reshape(1, k),
-                           None, torch.full((1, k), 0.5), torch.ones(1, k + 1, logits.shape[-1]))
+    out = rejection_sample(target_probs[None], torch.tensor([drafts], dtype=torch.long).reshape(1, k),
+                           draft_probs[None], uniform[None], noise[None])
     return [int(t) for t in out.token_ids[0] if t >= 0]
 
 
-def check_verify_greedy(fn: object) -> Verdict:
-    """`verify_greedy(draft_token_ids, logits) -> list[int]`: k drafted tokens and the target's logits (k + 1,
-    vocab) at each drafted position and one past the last. Keep drafts while each is the argmax of its row;
-    then emit the argmax of the next row (the replacement of the first wrong draft, or the bonus after the
-    last). Return the kept drafts followed by that token."""
+def check_verify_sampled(fn: object) -> Verdict:
+    """`verify_sampled(draft_token_ids, target_probs, draft_probs, uniform, noise) -> list[int]`: k drafted
+    tokens d_i; the target's probabilities p (k + 1, vocab) at each drafted position and one past the last;
+    the drafter's q (k, vocab); uniform (k,) in (0, 1); noise (k + 1, vocab), Exp(1) draws. For i = 0, 1, ...:
+    keep d_i if uniform[i] * q[i, d_i] < p[i, d_i]; at the first rejection, emit the replacement, the argmax of
+    residual / noise[i] where residual = max(0, p[i] - q[i]) (p[i] itself if that is all zeros), and stop. If
+    every draft is kept, emit the bonus, the argmax of p[k] / noise[k]. Return the kept drafts and that token."""
 
     def cases() -> list[Case]:
         generator = torch.Generator().manual_seed(14)
         out = []
-        for k, agree, note in [(3, 3, "all kept: the bonus"), (3, 0, "the first is wrong"), (4, 2, "two kept"),
-                               (1, 1, "one draft, kept"), (0, 0, "no draft: a plain decode")]:
-            logits = torch.randn(k + 1, 11, generator=generator)
-            best = logits.argmax(dim=-1).tolist()
-            drafts = best[:agree] + [(b + 1) % 11 for b in best[agree:k]]
-            out.append(Case({"draft_token_ids": drafts, "logits": logits}, _greedy_reference(drafts, logits), note))
-        logits = torch.randn(4, 11, generator=generator)
-        best = logits.argmax(dim=-1).tolist()
-        drafts = [best[0], (best[1] + 1) % 11, best[2]]  # right, wrong, right: what follows a wrong guess is void
-        out.append(Case({"draft_token_ids": drafts, "logits": logits}, _greedy_reference(drafts, logits),
-                        "a right guess after a wrong one"))
+        for k, vocab, sharpness, note in [(3, 6, 1.0, "a flat target"), (4, 8, 3.0, "a peaked target"),
+                                          (1, 5, 1.0, "one draft"), (0, 5, 1.0, "no draft: a plain sample"),
+                                          *[(3, 6, 2.0, "") for _ in range(40)]]:
+            p = (sharpness * torch.randn(k + 1, vocab, generator=generator, dtype=torch.float64)).softmax(-1)
+            q = (sharpness * torch.randn(k, vocab, generator=generator, dtype=torch.float64)).softmax(-1)
+            drafts = [int(torch.multinomial(row, 1, generator=generator)) for row in q]  # what the drafter drew
+            uniform = torch.rand(k, generator=generator, dtype=torch.float64)
+            noise = torch.empty(k + 1, vocab, dtype=torch.float64).exponential_(generator=generator)
+            out.append(Case({"draft_token_ids": drafts, "target_probs": p, "draft_probs": q, "uniform": uniform,
+                             "noise": noise}, _sampled_reference(drafts, p, q, uniform, noise), note))
+        # The drafter and the target agree exactly: every draft is kept, whatever the uniform draws.
+        p = torch.full((3, 4), 0.25, dtype=torch.float64)
+        out.append(Case({"draft_token_ids": [1, 2], "target_probs": p, "draft_probs": p[:2].clone(),
+                         "uniform": torch.tensor([0.99, 0.5], dtype=torch.float64),
+                         "noise": torch.ones(3, 4, dtype=torch.float64)},
+                        _sampled_reference([1, 2], p, p[:2].clone(), torch.tensor([0.99, 0.5], dtype=torch.float64),
+                                           torch.ones(3, 4, dtype=torch.float64)), "q = p: all kept"))
         return out
 
-    return run_cases("verify_greedy", fn, cases, same_value,
-                     "llm_runtime.sampling.rejection.rejection_sample (one-hot targets)")
+    return run_cases("verify_sampled", fn, cases, same_value,
+                     "llm_runtime.sampling.rejection.rejection_sample (the same uniform and noise draws)")
 
 
 def check_tokens_per_verification(fn: object) -> Verdict:
