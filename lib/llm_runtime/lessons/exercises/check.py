@@ -75,11 +75,14 @@ Compare = Callable[[Any, Any], "str | None"]  # (expected, got) -> None when the
 
 
 def run_cases(exercise: str, candidate: object, cases: Iterable[Case] | Callable[[], Iterable[Case]],
-              compare: Compare, reference: str) -> Verdict:
+              compare: Compare, reference: str,
+              method: Callable[[Any], Verdict | None] | None = None) -> Verdict:
     """Call `candidate` on every case and compare with the expected answers; the first difference fails it.
 
     `cases` may be a function that builds them, so that a fault in building them (a checker's own bug)
     is reported in the verdict instead of raised. `reference` names the package code the answers come from.
+    `method`, for a task that says how to compute (operators.py), runs once every case agrees: its verdict
+    (None: the way is the task's) fails an answer that is right but computed otherwise.
     """
     if not callable(candidate):
         return Verdict(exercise, False, True, f"Expected a function, got {type(candidate).__name__}: pass "
@@ -107,6 +110,9 @@ def run_cases(exercise: str, candidate: object, cases: Iterable[Case] | Callable
             return Verdict(exercise, False, True, f"It differs from the package on case {number} of {len(cases)}.\n"
                            + describe_input(exercise, case) + f"\nexpected: {show(case.expected)}\n"
                            f"got:      {show(got)}" + (f"\n{difference}" if difference else ""))
+    wrong_method = method(candidate) if method is not None else None
+    if wrong_method is not None:
+        return wrong_method
     return Verdict(exercise, True, True, f"All {len(cases)} cases agree with `{reference}`.")
 
 

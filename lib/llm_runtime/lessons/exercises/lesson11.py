@@ -117,12 +117,8 @@ def check_paged_decode(fn: object) -> Verdict:
                              "seq_len": seq_len}, expected, note))
         return out
 
-    verdict = run_cases("paged_decode", fn, cases, close_tensors(rtol=1e-6, atol=1e-9),
-                        "llm_runtime.attention.torch_gather.TorchGatherBackend")
-    if not verdict:
-        return verdict
-    method = _read_block_by_block(fn)
-    return verdict if method is None else method
+    return run_cases("paged_decode", fn, cases, close_tensors(rtol=1e-6, atol=1e-9),
+                     "llm_runtime.attention.torch_gather.TorchGatherBackend", method=_read_block_by_block)
 
 
 def _read_block_by_block(fn: object) -> Verdict | None:

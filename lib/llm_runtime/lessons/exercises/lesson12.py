@@ -42,12 +42,8 @@ def check_slot_mappings(fn: object) -> Verdict:
                      AttentionMetadata.build(t, s, n, block_size=b, device="cpu").slot_mapping.tolist(), note)
                 for t, s, n, b, note in inputs]
 
-    verdict = run_cases("slot_mappings", fn, cases, _as_list(same_value),
-                        "llm_runtime.attention.AttentionMetadata.build")
-    if not verdict:
-        return verdict
-    method = _no_loop_per_token(fn)
-    return verdict if method is None else method
+    return run_cases("slot_mappings", fn, cases, _as_list(same_value), "llm_runtime.attention.AttentionMetadata.build",
+                     method=_no_loop_per_token)
 
 
 def _no_loop_per_token(fn: object) -> Verdict | None:
@@ -104,11 +100,8 @@ def check_fused_qkv(fn: object) -> Verdict:
                 return f"{name}: {difference}"
         return None
 
-    verdict = run_cases("fused_qkv", fn, cases, compare, "three F.linear calls")
-    if not verdict:
-        return verdict
-    method = _one_multiply(fn, cases()[1])
-    return verdict if method is None else method
+    return run_cases("fused_qkv", fn, cases, compare, "three F.linear calls",
+                     method=lambda candidate: _one_multiply(candidate, cases()[1]))
 
 
 def _one_multiply(fn: object, case: Case) -> Verdict | None:
