@@ -7,8 +7,8 @@ capability 8.0+, Ampere and later), float16 on older ones (a T4), float32 on CPU
 natively, its memory, and the kernels that need Ampere or newer (FlashAttention 2, flex's Triton lowering,
 the int4 and int8 quantized products). Whoever chooses a path asks it: `resolve_dtype`, the loader, the
 attention backends. On the CPU, `LLM_RUNTIME_DEVICE_PROFILE=t4 | a100 | h100` makes the profile that GPU's:
-the run still computes on the CPU, but takes that GPU's dtype default and refuses what it would refuse, so a
-CPU run catches a lesson that would raise on a reader's T4.
+the run still computes on the CPU, but takes that GPU's dtype default and refuses what it would refuse (its
+dtypes, its kernels, more memory than it has), so a CPU run catches a lesson that would raise on a reader's T4.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ class DeviceProfile:
 
     name: str
     capability: tuple[int, int] | None = None
-    memory_bytes: int | None = None  # None: the CPU's, which EngineConfig.cpu_device_memory emulates
+    # The device's memory; None for the CPU (EngineConfig.cpu_device_memory emulates one). A played GPU's limits
+    # what an engine may hold beside the CPU's budget (engine/kv_budget.check_profile_memory).
+    memory_bytes: int | None = None
     emulated: bool = False
 
     @property

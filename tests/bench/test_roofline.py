@@ -35,3 +35,35 @@ def test_regime_and_the_ridge_batch_size() -> None:
     laptop = MachinePeaks("cpu", "float32", matmul_flops=1e11, memory_bandwidth=1e10)  # ridge 10 FLOP/byte
     assert ridge_batch_size(CONFIG, 4, laptop) == 20
     assert ridge_batch_size(CONFIG, 2, MachinePeaks("x", "y", 1e18, 1.0)) is None
+
+
+def test_machine_peaks_are_measured_once_and_shared_by_later_processes(tmp_path, monkeypatch) -> None:
+    """One measurement of the machine: the first call measures, later calls (this process, or another one
+    reading the file) reuse it; the bandwidth is one figure for every dtype; refresh measures again."""
+    import torch
+
+    from llm_runtime.bench import roofline
+
+    calls = []
+
+    def fake_measure(device, dtype, repeats):
+        calls.append((str(dtype), repeats))
+        return MachinePeaks(str(device), str(dtype), 100e9 * (len(calls)), 30e9 + len(calls))
+
+    monkeypatch.setattr(roofline, "measure_peaks", fake_measure)
+    roofline._cached_peaks.cache_clear()
+    first = roofline.machine_peaks("cpu", torch.float32, cache_dir=tmp_path)
+    assert roofline.machine_peaks("cpu", torch.float32, cache_dir=tmp_path) == first
+    assert calls == [("torch.float32", roofline.MACHINE_PEAK_REPEATS)]
+    roofline._cached_peaks.cache_clear()  # a new process: the file answers
+    assert roofline.machine_peaks("cpu", torch.float32, cache_dir=tmp_path) == first and len(calls) == 1
+    bf16 = roofline.machine_peaks("cpu", torch.bfloat16, cache_dir=tmp_path)  # a new dtype: its matmul only
+    assert len(calls) == 2 and bf16.memory_bandwidth == first.memory_bandwidth
+    assert bf16.matmul_flops != first.matmul_flops and bf16.dtype == "bfloat16"
+    again = roofline.machine_peaks("cpu", torch.float32, cache_dir=tmp_path, refresh=True)
+    assert len(calls) == 3 and again.memory_bandwidth != first.memory_bandwidth
+    key = roofline.machine_key("cpu")
+    assert f"{torch.get_num_threads()} threads" in key and torch.__version__ in key
+    saved = __import__("json").loads((tmp_path / roofline.PEAKS_FILE).read_text())
+    assert set(saved[key]["matmul_flops"]) == {"float32"}  # refresh starts the machine's entry afresh
+    roofline._cached_peaks.cache_clear()

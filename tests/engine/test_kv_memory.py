@@ -260,6 +260,29 @@ def test_an_explicit_budget_lets_two_engines_live_side_by_side(tiny_pairs) -> No
     second.shutdown()
 
 
+def test_a_played_gpu_s_memory_limits_weights_activations_and_an_explicit_pool(tiny_pairs, monkeypatch) -> None:
+    """Under LLM_RUNTIME_DEVICE_PROFILE the GPU's own memory is a second limit: a pool asked for explicitly that
+    would not fit beside the weights and activations in a (here, shrunk) T4 is refused; one that fits is built;
+    the CPU's own profile has no such limit."""
+    from dataclasses import replace as replace_profile
+
+    from llm_runtime.device import EMULATED_PROFILES
+
+    model, _ = tiny_pairs["llama3"]
+    block = kv_block_bytes(model.config, 16, model.dtype)
+    held = tensor_bytes(model) + activation_bytes(model, EngineConfig(num_kv_blocks=1))
+    t4 = replace_profile(EMULATED_PROFILES["t4"], memory_bytes=int((held + 100 * block) / 0.9))
+    monkeypatch.setitem(EMULATED_PROFILES, "t4", t4)
+    monkeypatch.setenv("LLM_RUNTIME_DEVICE_PROFILE", "t4")
+    with pytest.raises(RuntimeError, match="out of memory on a T4.*played by the CPU.*smaller pool"):
+        LLMEngine(model, None, EngineConfig(num_kv_blocks=200))
+    with pytest.raises(RuntimeError, match="out of memory on a T4"):
+        LLMEngine(model, None, EngineConfig(kv_cache_memory=200 * block))
+    LLMEngine(model, None, EngineConfig(num_kv_blocks=90)).shutdown()
+    monkeypatch.delenv("LLM_RUNTIME_DEVICE_PROFILE")
+    LLMEngine(model, None, EngineConfig(num_kv_blocks=200)).shutdown()
+
+
 @pytest.mark.parametrize("config", [dict(block_size=0), dict(num_kv_blocks=0), dict(kv_cache_memory=-1),
                                     dict(gpu_memory_utilization=0), dict(gpu_memory_utilization=1.5),
                                     dict(num_kv_blocks=True), dict(cpu_device_memory=0)])

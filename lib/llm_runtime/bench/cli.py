@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     from .benchmark import EngineRunner, HFContinuousRunner, HFStaticRunner, run_benchmark, with_poisson_arrivals
     from ..model import load_model
     from ..model.loader import resolve_model_folder
-    from .roofline import measure_peaks
+    from .roofline import machine_peaks
 
     names = [n.strip() for n in args.runners.split(",") if n.strip()]
     unknown = sorted(set(names) - set(RUNNERS + OPTIONAL_RUNNERS))
@@ -163,8 +163,8 @@ def run(args: argparse.Namespace) -> int:
         runners.append(VLLMRunner(resolve_model_folder(args.model), str(model.dtype).removeprefix("torch."),
                                   python=args.vllm_python, log_path=out / "vllm-cpu.log",
                                   kv_cache_memory_bytes=_engine_kv_cache_bytes(model, engine_options)))
-    print(f"measuring this machine's matmul and memory peaks on {model.device} ({model.dtype}) ...", flush=True)
-    peaks = measure_peaks(model.device, model.dtype)
+    print(f"this machine's matmul and memory peaks on {model.device} ({model.dtype}), measured once ...", flush=True)
+    peaks = machine_peaks(model.device, model.dtype)
     print(f"  {peaks.matmul_flops / 1e9:.0f} GFLOP/s, {peaks.memory_bandwidth / 1e9:.1f} GB/s")
     base = _workload(args, model.config.vocab_size)
     out.mkdir(parents=True, exist_ok=True)

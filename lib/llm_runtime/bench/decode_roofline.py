@@ -29,7 +29,7 @@ from ..engine import LLM, LLMEngine
 from ..model import CausalLM
 from ..model.packed_linear import packing_unsupported_reason
 from ..sampling import SamplingParams
-from .roofline import measure_peaks, weight_bytes
+from .roofline import machine_peaks, weight_bytes
 
 MODES: dict[str, dict[str, object]] = {
     "eager": {"enforce_eager": True},
@@ -92,7 +92,7 @@ def interleaved_step_seconds(engines: dict[str, LLMEngine], *, prompt_len: int =
 def measure(model: CausalLM, modes: list[str], *, prompt_len: int = 32, num_steps: int = 64,
             prepack_weights: bool | None = None, bandwidth: float | None = None) -> list[DecodeMeasurement]:
     """Each mode's batch-1 step against the roofline of this model on its device, in one process.
-    `bandwidth` (bytes/s): the device's, if already measured; else measured here (`roofline.measure_peaks`)."""
+    `bandwidth` (bytes/s): the device's, if already measured; else this machine's (`roofline.machine_peaks`)."""
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
@@ -101,7 +101,7 @@ def measure(model: CausalLM, modes: list[str], *, prompt_len: int = 32, num_step
     dtype_size = model.dtype.itemsize
     nbytes = weight_bytes(model.config, dtype_size)
     if bandwidth is None:
-        bandwidth = measure_peaks(model.device, model.dtype).memory_bandwidth
+        bandwidth = machine_peaks(model.device, model.dtype).memory_bandwidth
     if prepack_weights is None:
         prepack_weights = packing_unsupported_reason(model) is None
     results = []

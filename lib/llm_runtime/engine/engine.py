@@ -47,7 +47,7 @@ from .compiled_forward import CompiledForward, compiled_forward_unavailable_reas
 from .cuda_graphs import DecodeGraphs, graph_memory_bytes, graphs_unavailable_reason
 from .host_memory import keep_freed_host_memory
 from .input_processor import EngineRequest, InputProcessor, Messages, Prompt
-from .kv_budget import CPU_DEVICE, kv_cache_memory
+from .kv_budget import CPU_DEVICE, check_profile_memory, kv_cache_memory
 from .model_runner import ModelRunner, ModelRunnerOutput, StepProfile
 from .output_processor import OutputProcessor, RequestState
 from .outputs import RequestOutput
@@ -320,23 +320,26 @@ class LLMEngine:
     def _num_kv_blocks(self, max_model_len: int, graphs: bool) -> int:
         """The pool size: num_kv_blocks, else kv_cache_memory, else what the device has left (kv_budget.py),
         less the room CUDA graphs will take when `graphs`. With a draft model, a block's bytes include the draft
-        pool's block (both pools get this many blocks)."""
+        pool's block (both pools get this many blocks). Where the CPU plays a GPU, that GPU's memory must hold
+        the pool too (kv_budget.check_profile_memory)."""
         config, model = self.config, self.model
-        if config.num_kv_blocks is not None:
-            return config.num_kv_blocks
         block = self._block_bytes()
-        if config.kv_cache_memory is not None:
-            nbytes = config.kv_cache_memory
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
         else:
-            reserve = graph_memory_bytes(model.config, self.attention_backend, max_num_seqs=config.max_num_seqs,
-                                         max_model_len=max_model_len, dtype=model.dtype,
-                                         block_size=config.block_size) if graphs else 0
-            nbytes = kv_cache_memory(model, config, max_model_len, reserve=reserve, block_bytes=block,
-                                     others=self.device_models[1:])
-        num_blocks = nbytes // block
-        if num_blocks < 1:
-            raise ValueError(f"{nbytes} bytes of KV memory hold no block of {config.block_size} tokens "
-                             f"({block} bytes each)")
+            if config.kv_cache_memory is not None:
+                nbytes = config.kv_cache_memory
+            else:
+                reserve = graph_memory_bytes(model.config, self.attention_backend, max_num_seqs=config.max_num_seqs,
+                                             max_model_len=max_model_len, dtype=model.dtype,
+                                             block_size=config.block_size) if graphs else 0
+                nbytes = kv_cache_memory(model, config, max_model_len, reserve=reserve, block_bytes=block,
+                                         others=self.device_models[1:])
+            num_blocks = nbytes // block
+            if num_blocks < 1:
+                raise ValueError(f"{nbytes} bytes of KV memory hold no block of {config.block_size} tokens "
+                                 f"({block} bytes each)")
+        check_profile_memory(model, config, num_blocks * block, others=self.device_models[1:])
         return num_blocks
 
     def shutdown(self) -> None:

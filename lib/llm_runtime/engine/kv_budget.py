@@ -11,6 +11,12 @@ estimate of the activations of the largest step, and the pools and weights (pack
 every engine still alive in the process (the `DeviceLedger`). So a notebook that creates a second engine while the
 first still holds its pool fails on a laptop exactly where it would fail on a GPU, and
 `LLM.shutdown()` (or `with LLM(...) as llm:`) gives the memory back on both.
+
+Where the CPU plays a GPU (`LLM_RUNTIME_DEVICE_PROFILE`), the rule above still runs over the CPU's emulated
+device (a pool of a T4's 15 GiB or an H100's 80 GiB would not fit in a laptop's memory), and the GPU's own
+memory is a second limit (`check_profile_memory`): weights, activations and a pool asked for explicitly
+(num_kv_blocks, kv_cache_memory) must fit in it, or the engine refuses as that GPU would (there, with an
+out-of-memory error while allocating).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 
 from ..attention.kv_cache import kv_block_bytes
 from ..config import EngineConfig
+from ..device import device_profile
 from ..model import CausalLM
 
 if TYPE_CHECKING:
@@ -114,6 +121,24 @@ def kv_cache_memory(model: CausalLM, config: EngineConfig, max_model_len: int, r
     # Whole blocks: a sequence of max_model_len tokens holds ceil(max_model_len / block_size) of them.
     full = config.max_num_seqs * -(-max_model_len // config.block_size) * block
     return min(headroom, full)
+
+
+def check_profile_memory(model: CausalLM, config: EngineConfig, pool_bytes: int,
+                         others: Sequence[torch.nn.Module] = ()) -> None:
+    """Where the CPU plays a GPU: raise unless the weights of every live engine and of this one, the activations
+    of its largest step and its pool of `pool_bytes` fit in that GPU's memory x gpu_memory_utilization."""
+    profile = device_profile(model.device)
+    if not profile.emulated or profile.memory_bytes is None:
+        return
+    total = int(profile.memory_bytes * config.gpu_memory_utilization)
+    held = CPU_DEVICE.held_bytes(model.device, besides=[model, *others]) + activation_bytes(model, config)
+    if held + pool_bytes > total:
+        raise RuntimeError(
+            f"out of memory on {profile.describe()}: weights and activations ({held / 2**30:.2f} GiB) and a KV "
+            f"pool of {pool_bytes / 2**30:.2f} GiB exceed its {profile.memory_bytes / 2**30:.0f} GiB x "
+            f"gpu_memory_utilization {config.gpu_memory_utilization}. Ask for a smaller pool (num_kv_blocks, "
+            f"kv_cache_memory), a smaller model or dtype, or shut down the engines you are done with"
+        )
 
 
 @torch.inference_mode()

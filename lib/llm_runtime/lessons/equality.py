@@ -2,10 +2,10 @@
 
 Two computations give the same greedy tokens only if their logits never reorder the top two.
 In float32 (24 bits of mantissa) a different batch shape, chunk size or kernel changes the last
-bits of a logit (lesson 02 measured at most 5e-5 on logits of size ~10), and the argmax survives
-unless two logits tie that closely: across the lessons' prompts that does not happen. In bfloat16
-(8 bits of mantissa; float16 has 11) the same change, where it moves a logit at all, moves it by
-tenths (lesson 02 measured 0.3), enough to flip near-ties over a long generation. So the rule is:
+bits of a logit (lesson 02 measures it: hundred-thousandths on logits of size ~10), and the argmax
+survives unless two logits tie that closely: across the lessons' prompts that does not happen. In
+bfloat16 (8 bits of mantissa; float16 has 11) the same change, where it moves a logit at all, moves
+it by tenths (lesson 02 prints how far), enough to flip near-ties over a long generation. So the rule is:
 
 - compare tokens of two *different* computations (batched against alone, paged against contiguous,
   cached against recomputed, ours against transformers) on a float32 model: `comparable_model`
