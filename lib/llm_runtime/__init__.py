@@ -21,7 +21,7 @@ from .engine import (LLM, BlockAllocator, BlockManager, CompletionOutput, Engine
 from .lessons import StaticBatchRunner
 from .model import BUNDLED_MODEL_NAME, CausalLM, ModelLoadError, load_model, load_reason, prepare_bundled_model
 from .model.tokenizer import encode_chat, load_tokenizer
-from .sampling import Sampler, SamplerOutput, SamplingParams
+from .sampling import Sampler, SamplerOutput, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "BUNDLED_MODEL_NAME",
@@ -49,6 +49,7 @@ __all__ = [
     "Sampler",
     "SamplerOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "ScheduledBatch",
     "Scheduler",
     "Sequence",

@@ -268,6 +268,11 @@ class EngineConfig:
     # Speculative decoding (spec_decode/, lesson 14): vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens":
     # 4}, parsed into a SpeculativeConfig; None: one token per sequence per step.
     speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None
+    # Structured output (structured_output/, lesson 15). Jump-forward: up to this many tokens the grammar forces
+    # (a schema's next key) go through the speculative path as drafts the model verifies; 0 turns it off.
+    max_forced_tokens: int = 8
+    max_grammar_chars: int = 65536  # a schema, regex or grammar longer than this is refused, not compiled
+    grammar_compile_timeout_s: float = 10.0  # a constraint that takes longer to compile is refused
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_num_stop_strings",
@@ -286,8 +291,16 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
-        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        for name in ("max_logprobs", "max_forced_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if isinstance(self.max_grammar_chars, bool) or not isinstance(self.max_grammar_chars, int) or \
+                self.max_grammar_chars < 1:
+            raise ValueError(f"max_grammar_chars must be an integer >= 1, got {self.max_grammar_chars!r}")
+        timeout = self.grammar_compile_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"grammar_compile_timeout_s must be a number of seconds > 0, got {timeout!r}")
         for name in ("prepack_weights", "compile_pointwise", "compile_model", "cuda_graphs"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")

@@ -43,6 +43,7 @@ from ..spec_decode.draft_model import DraftModelProposer, check_same_vocabulary,
 from ..spec_decode.ngram import NgramProposer
 from ..spec_decode.proposer import Proposer
 from ..spec_decode.stats import SpeculationStats
+from ..structured_output import GrammarState
 from .compiled_forward import CompiledForward, compiled_forward_unavailable_reason
 from .cuda_graphs import DecodeGraphs, graph_memory_bytes, graphs_unavailable_reason
 from .host_memory import keep_freed_host_memory
@@ -85,6 +86,9 @@ class EngineStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_length_counts: tuple[int, ...] = ()
+    # Jump-forward (lesson 15): tokens a grammar forced, verified as drafts, and how many of them the model kept.
+    num_forced_tokens: int = 0
+    num_accepted_forced_tokens: int = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -171,6 +175,8 @@ class LLMEngine:
         spec = config.speculative_config
         self.spec_stats = SpeculationStats(spec.num_speculative_tokens) if spec is not None else None
         self.num_failed_requests = 0
+        self.num_forced_tokens = self.num_accepted_forced_tokens = 0
+        self._forced: set[Sequence] = set()  # this step's sequences whose drafts are the tokens their grammar forces
         self._unspeculated: set[Sequence] = set()  # sequences whose proposals failed: they decode one token a step
         self.dead_reason: BaseException | None = None  # the device fault that killed the engine, if one did
         self._num_steps = 0
@@ -387,7 +393,8 @@ class LLMEngine:
             sequences.append(Sequence(
                 request.request_id, request.prompt_token_ids, seq_params, max_new_tokens=request.max_new_tokens,
                 eos_token_ids=self.model.config.eos_token_ids, index=index, arrival_time=request.arrival_time,
-                generator=seq_params.make_generator()))
+                generator=seq_params.make_generator(),
+                grammar=GrammarState(request.grammar) if request.grammar is not None else None))
         # All or nothing: a request the scheduler refuses leaves no output state behind.
         self.output_processor.add_request(request, sequences)
         try:
@@ -430,6 +437,8 @@ class LLMEngine:
                 num_draft_tokens=self.spec_stats.num_draft_tokens,
                 num_accepted_tokens=self.spec_stats.num_accepted_tokens,
                 accepted_length_counts=tuple(self.spec_stats.accepted_counts))),
+            num_forced_tokens=self.num_forced_tokens,
+            num_accepted_forced_tokens=self.num_accepted_forced_tokens,
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -450,6 +459,11 @@ class LLMEngine:
             proposed = time.perf_counter()
             self.profile.propose += proposed - start
             start = proposed
+        if any(seq.grammar is not None for seq in self.scheduler.running):
+            self._constrain_drafts()
+            constrained = time.perf_counter()
+            self.profile.grammar += constrained - start
+            start = constrained
         batch = self.scheduler.schedule()
         self._num_idle_steps = 0 if batch.items or not self.has_unfinished_requests() else self._num_idle_steps + 1
         if not batch.items:
@@ -514,6 +528,29 @@ class LLMEngine:
                 self._unspeculated.add(seq)
         proposer.keep_only(set(scheduler.running) - self._unspeculated)
 
+    def _constrain_drafts(self) -> None:
+        """Drafts of constrained sequences about to decode (lesson 15): a proposer's are cut to the longest prefix
+        their grammar allows (a refused draft could never be kept, and its mask could not be filled); where none
+        remain, the tokens the grammar forces from here (jump-forward, up to `max_forced_tokens`) become the drafts.
+        Forced drafts are sure guesses, verified as any other: the model keeps those it would have produced, so the
+        output is what it would be without them, in fewer steps."""
+        self._forced.clear()
+        limit, scheduler = self.config.max_forced_tokens, self.scheduler
+        for seq in scheduler.running:
+            grammar = seq.grammar
+            if grammar is None or seq.num_uncomputed_tokens != 1 or seq in scheduler.forks:
+                continue
+            if seq.draft_token_ids:
+                kept = grammar.valid_prefix(seq.draft_token_ids)
+                if len(kept) < len(seq.draft_token_ids):
+                    seq.draft_token_ids = kept
+                    seq.draft_probs = None if seq.draft_probs is None or not kept else seq.draft_probs[: len(kept)]
+            if not seq.draft_token_ids and limit and self.tokenizer is not None:
+                forced = grammar.forced_tokens(self.tokenizer, min(limit, seq.max_new_tokens - seq.num_output_tokens - 1))
+                if forced:
+                    seq.draft_token_ids, seq.draft_probs = forced, None
+                    self._forced.add(seq)
+
     def _die(self, error: BaseException) -> None:
         """The device failed: nothing can run again in this process's CUDA context. The engine refuses every
         request and step from now on (EngineDeadError); what was live stays as it was until `shutdown()`."""
@@ -522,10 +559,13 @@ class LLMEngine:
         raise EngineDeadError(f"the engine's device failed; create a new engine: {error!r}") from error
 
     def _record_speculation(self, batch: ScheduledBatch, result: ModelRunnerOutput) -> None:
-        if self.spec_stats is None:
-            return
         for item in batch.items:
-            if item.draft_token_ids and item.seq in result.accepted:
+            if not item.draft_token_ids or item.seq not in result.accepted:
+                continue
+            if item.seq in self._forced:  # the grammar's drafts, not the proposer's
+                self.num_forced_tokens += len(item.draft_token_ids)
+                self.num_accepted_forced_tokens += len(result.accepted[item.seq])
+            elif self.spec_stats is not None:
                 self.spec_stats.record(len(item.draft_token_ids), len(result.accepted[item.seq]))
 
     def _run(self, batch: ScheduledBatch) -> ModelRunnerOutput:

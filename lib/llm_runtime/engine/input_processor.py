@@ -4,7 +4,9 @@ Every way into the engine (`LLM`, `LLMEngine.add_request`, the HTTP server) goes
 tokenizes, renders chat messages with the model's template, and checks everything against the
 model and the engine's configuration before anything reaches a tensor: every token id against the
 vocabulary, logprob counts against `max_logprobs`, stop strings against their limits, `n` against
-`max_num_seqs`, `max_tokens` against the context, and whether the prompt could ever be scheduled.
+`max_num_seqs`, `max_tokens` against the context, and whether the prompt could ever be scheduled. A
+structured-output constraint is compiled here, last (`structured_output/compiler.py`: bounded in size and
+time, cached), so a request whose schema does not compile never enters the engine.
 A refusal is an `InvalidRequestError` (a ValueError) whose `param` names the field, so the server
 answers 400 naming the same field.
 
@@ -14,6 +16,7 @@ a step runs, and adds the finished `EngineRequest` between steps.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import abc
 from dataclasses import dataclass
@@ -23,6 +26,7 @@ from ..config import EngineConfig, ModelConfig
 from ..errors import InvalidRequestError
 from ..model.tokenizer import Tokenizer, encode_chat
 from ..sampling import SamplingParams
+from ..structured_output import CompiledGrammar, GrammarCompiler
 
 # What a prompt may be: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": [...]}.
 Prompt = str | list[int] | dict
@@ -40,6 +44,7 @@ class EngineRequest:
     params: SamplingParams
     max_new_tokens: int
     arrival_time: float
+    grammar: CompiledGrammar | None = None  # the compiled structured_outputs constraint, if the request has one
 
 
 def validate_prompt(prompt_token_ids: object, vocab_size: int, max_model_len: int, limit_reason: str = "") -> list[int]:
@@ -105,6 +110,8 @@ class InputProcessor:
         # A token decodes to at most this many characters, so a longer text than max_model_len of them
         # is refused before it is tokenized (tokenizing megabytes takes seconds).
         self.max_token_chars = 0 if tokenizer is None else max(map(len, tokenizer.get_vocab()), default=1)
+        self._grammar_compiler: GrammarCompiler | None = None  # made for the first constrained request
+        self._grammar_lock = threading.Lock()
 
     # ------------------------------------------------------------------ entry points
     def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
@@ -147,6 +154,19 @@ class InputProcessor:
         except Exception as error:  # the template's own refusals (jinja's TemplateError, raise_exception)
             raise InvalidRequestError("messages", f"the chat template refused the messages: {error}") from error
 
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The compiler of structured_outputs constraints for this tokenizer (made once, when first needed: it
+        reads the whole vocabulary)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("structured_outputs", "structured_outputs needs a tokenizer; this engine has "
+                                                            "none")
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(
+                    self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids,
+                    max_spec_chars=self.config.max_grammar_chars, timeout_s=self.config.grammar_compile_timeout_s)
+            return self._grammar_compiler
+
     # ------------------------------------------------------------------ checks
     def _check_params(self, request_id: str, params: SamplingParams | None) -> SamplingParams:
         config, vocab_size = self.config, self.model_config.vocab_size
@@ -174,6 +194,13 @@ class InputProcessor:
             if longest > config.max_stop_string_len:
                 raise InvalidRequestError("stop", f"a stop string may have at most {config.max_stop_string_len} "
                                                   f"characters, got {longest}")
+        if params.structured_outputs is not None:
+            if params.min_tokens:
+                raise InvalidRequestError("min_tokens", "min_tokens cannot be combined with structured_outputs: the "
+                                                        "grammar decides where the output may end")
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured_outputs", "structured_outputs needs a tokenizer; this engine "
+                                                                "has none")
         return params
 
     def _check_text_length(self, text: str, param: str) -> None:
@@ -213,4 +240,6 @@ class InputProcessor:
                           f"memory: num_kv_blocks, kv_cache_memory or gpu_memory_utilization)")
         budget = max_new_tokens(params, len(ids), self.max_model_len, self.limit_reason)
         arrival = time.perf_counter() if arrival_time is None else arrival_time
-        return EngineRequest(request_id, text, ids, params, budget, arrival)
+        structured = params.structured_outputs
+        grammar = self.grammar_compiler().compile(structured) if structured is not None else None  # the last check
+        return EngineRequest(request_id, text, ids, params, budget, arrival, grammar)

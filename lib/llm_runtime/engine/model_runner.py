@@ -12,6 +12,12 @@ A decode-only step runs from a CUDA graph when the engine captured them (`cuda_g
 prefill and mixed steps always run eagerly. On the CPU, a step whose attention the backend can serve inside
 a compiled graph runs the whole forward pass as one (`compiled_forward.py`, lesson 12).
 
+A constrained sequence's logits rows are masked by its grammar before they are sampled (lesson 15): one row,
+or 1 + k for a sequence verifying k drafts (the masks after each draft). The masks are filled on the host
+after the forward pass is launched: on CUDA the GPU is still computing the logits then, so the mask work hides
+behind it; on the CPU the forward pass has finished, and the mask work adds to the step (`StepProfile.grammar`
+says how much). An unconstrained batch does none of it.
+
 The runner reads and writes the engine's pool; `kv_budget.py` decides how big it is.
 """
 
@@ -29,6 +35,7 @@ from ..attention.torch_gather import TorchGatherBackend
 from ..model import CausalLM
 from ..sampling import Sampler
 from ..sampling.rejection import RejectionSampler
+from ..structured_output import allocate_bitmask, apply_bitmask
 from .compiled_forward import CompiledForward
 from .cuda_graphs import DecodeGraphs
 from .input_batch import InputBuffers
@@ -52,6 +59,9 @@ class StepProfile:
     forward: float = 0.0  # the model and the logits
     sample: float = 0.0  # the sampler and the copy of sampled tokens to the host
     postprocess: float = 0.0  # appending tokens, stop rules, freeing blocks, outputs
+    # Structured output (lesson 15): filling and applying grammar masks, checking drafts against the grammar and
+    # finding the tokens it forces (jump-forward).
+    grammar: float = 0.0
     # Part of `forward`: the attention layers (storing K/V and attending), timed around each layer's call
     # (lesson 11). On CUDA it only sees the kernel launches.
     attention: float = 0.0
@@ -139,9 +149,11 @@ class ModelRunner:
                 output: ModelRunnerOutput) -> ModelRunnerOutput:
         """A token for each of the items `sampling` names, from their logits rows (R, vocab): one row per item,
         or 1 + k rows for an item verifying k drafts (the rejection sampler keeps some, then draws one)."""
-        computed = time.perf_counter()
         items = [batch.items[i] for i in sampling]
         first_rows = np.cumsum([0] + [1 + len(item.draft_token_ids) for item in items])[:-1].tolist()
+        if any(item.seq.grammar is not None for item in items):
+            logits = self._apply_grammars(items, first_rows, logits)
+        computed = time.perf_counter()
         plain = [j for j, item in enumerate(items) if not item.draft_token_ids]
         speculating = [j for j, item in enumerate(items) if item.draft_token_ids]
         if plain:
@@ -176,6 +188,27 @@ class ModelRunner:
                 offset += 1 + len(item.draft_token_ids)
         self.profile.sample += time.perf_counter() - computed
         return output
+
+    def _apply_grammars(self, items: list[ScheduledSequence], first_rows: list[int], logits: torch.Tensor
+                        ) -> torch.Tensor:
+        """The logits (R, vocab) with each constrained item's rows masked by its grammar: the tokens allowed next,
+        and for a speculating item after each of its drafts too (the engine cut them to what the grammar allows)."""
+        started = time.perf_counter()
+        constrained = [(item, first) for item, first in zip(items, first_rows) if item.seq.grammar is not None]
+        rows = [first + r for item, first in constrained for r in range(1 + len(item.draft_token_ids))]
+        bitmask = allocate_bitmask(len(rows), logits.shape[1])  # (rows, ceil(vocab / 32)) int32
+        row = 0
+        for item, _ in constrained:
+            grammar = item.seq.grammar
+            assert grammar is not None
+            if item.draft_token_ids:
+                grammar.fill_drafts(item.draft_token_ids, bitmask, row)
+            else:
+                grammar.fill(bitmask, row)
+            row += 1 + len(item.draft_token_ids)
+        masked = apply_bitmask(logits, bitmask, rows)
+        self.profile.grammar += time.perf_counter() - started
+        return masked
 
     def _prompt_logprobs(self, item: ScheduledSequence, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
         """Logprobs of the prompt tokens this chunk predicts (position p predicts token p + 1), in slices

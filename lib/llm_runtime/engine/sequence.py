@@ -5,12 +5,14 @@ scheduler may move it back to WAITING when it runs out of KV memory (preemption:
 kept, its cache is recomputed when it runs again). The token stop rules live here, applied to each
 new token in `append_token`: EOS unless `ignore_eos`, `stop_token_ids`, `max_tokens`; none of the
 first two before `min_tokens` tokens exist. Stop *strings* need the text, which the output
-processor keeps (`output_processor.py`), as in vLLM.
+processor keeps (`output_processor.py`), as in vLLM. A constrained sequence's grammar (lesson 15) follows
+every appended token; once the grammar is complete and has taken its end, the sequence stops.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -20,6 +22,9 @@ from ..sampling import Sampler, SamplerOutput, SamplingParams
 from ..sampling.rejection import RejectionSampler, VerifiedDrafts
 from ..sampling.seeded import SeededGenerator
 from ..sampling.token_counts import TokenCounts
+from ..structured_output import GrammarState
+
+logger = logging.getLogger(__name__)
 
 
 class SequenceStatus(enum.Enum):
@@ -79,6 +84,7 @@ class Sequence:
         index: int = 0,
         arrival_time: float | None = None,
         generator: SeededGenerator | None = None,
+        grammar: GrammarState | None = None,
     ) -> None:
         self.request_id = request_id
         self.index = index  # which of the request's n completions this is
@@ -89,6 +95,7 @@ class Sequence:
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
         self.stop_token_ids = tuple(params.stop_token_ids)
         self.generator = generator
+        self.grammar = grammar  # where its output stands in its structured_outputs grammar (lesson 15)
         self._token_counts: TokenCounts | None = None  # penalties' counts on the device, made when first needed
         self.status = SequenceStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id or string that ended it
@@ -155,10 +162,16 @@ class Sequence:
         if self.times.first_token is None:
             self.times.first_token = now
         self.times.token_times.append(now)
+        if self.grammar is not None and not self.grammar.accept(token_id):  # only a bug gets a refused token here
+            logger.error("%r: token %d is not allowed by its grammar; finishing it with an error", self, token_id)
+            self.finish(SequenceStatus.FINISHED_ERROR, now)
+            return
         may_stop = self.num_output_tokens >= self.params.min_tokens
         if may_stop and (token_id in self.eos_token_ids or token_id in self.stop_token_ids):
             if token_id not in self.eos_token_ids:
                 self.stop_reason = token_id
+            self.finish(SequenceStatus.FINISHED_STOPPED, now)
+        elif self.grammar is not None and self.grammar.is_terminated:  # complete, its end taken (ignore_eos too)
             self.finish(SequenceStatus.FINISHED_STOPPED, now)
         elif self.num_output_tokens >= self.max_new_tokens:
             self.finish(SequenceStatus.FINISHED_LENGTH, now)

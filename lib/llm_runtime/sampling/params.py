@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import InvalidRequestError
 from .seeded import SeededGenerator
+from .structured_outputs import StructuredOutputsParams
 
 # Temperatures below this are greedy (dividing by ~0 would overflow).
 GREEDY_TEMPERATURE = 1e-5
@@ -108,6 +109,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # A grammar the output must follow (lesson 15): a JSON schema, a regex, a choice, an EBNF grammar.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         for name, bounds in FIELD_BOUNDS.items():
@@ -123,6 +126,9 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise InvalidRequestError("output_kind", f"output_kind must be a RequestOutputKind, got "
                                                      f"{self.output_kind!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidRequestError("structured_outputs", f"structured_outputs must be a StructuredOutputsParams, "
+                                                            f"got {type(self.structured_outputs).__name__}")
         # Normalise stop and stop_token_ids to lists (frozen: set through object.__setattr__).
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is not None and not (isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop)):

@@ -1,0 +1,32 @@
+"""Token bitmasks and their application to logits (lesson 15).
+
+A mask over a vocabulary of V tokens is ceil(V / 32) int32 words: bit t % 32 of word t // 32 is set when
+token t may come next (xgrammar's layout, 6 KB a row for a 49,152-token vocabulary instead of 48 KB of
+bools). Applying it sets every refused token's logit to -inf before penalties, temperature and the
+filters, so the distribution a constrained row samples from is the model's, renormalised over the tokens
+the grammar allows. Only the constrained rows are touched: an unconstrained batch never comes here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(R, W) int32 words -> (R, vocab_size) bool, True where the token is allowed."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = (bitmask[:, :, None] >> bits) & 1  # (R, W, 32): bit b of word w is token 32 w + b
+    return allowed.view(bitmask.shape[0], -1)[:, :vocab_size].bool()  # (R, 32 W) -> (R, V)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits (B, V) with rows[i] masked by bitmask[i] (refused tokens at -inf); a new tensor, the input unchanged
+    (it may be a CUDA graph's output buffer)."""
+    if not rows:
+        return logits
+    index = torch.tensor(rows, device=logits.device)
+    allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[1])  # (R, V)
+    masked = logits.index_select(0, index).masked_fill(~allowed, -math.inf)
+    return logits.index_put((index,), masked)
