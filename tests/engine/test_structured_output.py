@@ -24,33 +24,11 @@ from llm_runtime import EngineConfig, InvalidRequestError, LLMEngine, SamplingPa
 from llm_runtime.sampling import StructuredOutputsParams as Structured
 from llm_runtime.structured_output import GrammarState, allocate_bitmask, unpack_bitmask
 
+from structured_cases import ARITHMETIC, CONSTRAINTS, PERSON, PHONE, valid
 from test_kv_memory import assert_no_leak
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
-
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 1, "maxItems": 3},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
-                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"], "additionalProperties": False},
-        "contact": {"anyOf": [{"type": "string", "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.com$"},
-                              {"type": "integer", "minimum": 0, "maximum": 9999}]},
-    },
-    "required": ["name", "age", "role", "tags", "address", "contact"],
-    "additionalProperties": False,
-}
-PHONE = r"\(\d{3}\) \d{3}-\d{4}"
-ARITHMETIC = """root ::= expr
-expr ::= term (("+" | "-") term){0,7}
-term ::= [0-9]{1,3} | "(" expr ")"
-"""
-ARITHMETIC_RE = re.compile(r"[0-9()+\-]+")
 
 
 @pytest.fixture
@@ -85,35 +63,6 @@ def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]
     return finished
 
 
-def _valid(kind: str, text: str) -> bool:
-    if kind in ("json", "json_object"):
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return False
-        if kind == "json_object":
-            return isinstance(value, dict)
-        try:
-            jsonschema.validate(value, PERSON)
-        except jsonschema.ValidationError:
-            return False
-        return True
-    if kind == "regex":
-        return re.fullmatch(PHONE, text) is not None
-    if kind == "choice":
-        return text in ("Paris", "London", "Rome")
-    return ARITHMETIC_RE.fullmatch(text) is not None and text.count("(") == text.count(")")
-
-
-CONSTRAINTS = {
-    "json": ("Describe a person as JSON.", Structured(json=PERSON)),
-    "json_object": ("Return a JSON object with two fields: city and country.", Structured(json_object=True)),
-    "regex": ("What is a phone number?", Structured(regex=PHONE)),
-    "choice": ("What is the capital of France?", Structured(choice=["Paris", "London", "Rome"])),
-    "grammar": ("Write a sum of numbers.", Structured(grammar=ARITHMETIC)),
-}
-
-
 @pytest.mark.slow
 def test_every_constraint_kind_gives_valid_output_on_the_bundled_model(bundled, make_engine) -> None:
     model, tokenizer = bundled
@@ -130,7 +79,7 @@ def test_every_constraint_kind_gives_valid_output_on_the_bundled_model(bundled, 
     for request_id, output in outputs.items():
         completion = output.outputs[0]
         assert completion.finish_reason == "stop", (request_id, completion.text)
-        assert _valid(request_id.split("/")[0], completion.text), (request_id, completion.text)
+        assert valid(request_id.split("/")[0], completion.text), (request_id, completion.text)
     assert_no_leak(engine)
 
 

@@ -5,7 +5,12 @@ name, and every numeric bound `SamplingParams` enforces (`sampling.FIELD_BOUNDS`
 the schema. Bounds that depend on the engine (the vocabulary, the context, `max_num_seqs`,
 `max_logprobs`, the stop-string limits) are added per server by `bounded_request_models`, so the
 OpenAPI schema a client reads is the one the server enforces. What a schema cannot say (a prompt
-plus `max_tokens` beyond the context, `min_tokens` above `max_tokens`) is refused with a 400.
+plus `max_tokens` beyond the context, `min_tokens` above `max_tokens`, a JSON schema or regex that does
+not compile) is refused with a 400.
+
+Constrained output (lesson 15) comes in three spellings: vLLM's `structured_outputs` (chat and text
+completions), OpenAI's `response_format` (chat) and OpenAI's `tools` with a `tool_choice` that names a
+function or is "required" (chat; `tools.py`). A request takes one of them.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
-from ..sampling import FIELD_BOUNDS, SamplingParams
+from ..sampling import FIELD_BOUNDS, SamplingParams, StructuredOutputsParams
 from ..sampling.params import RequestOutputKind
 
 
@@ -60,6 +65,75 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+JsonSchema = dict[str, Any]  # a JSON schema, checked when it is compiled (a 400 naming the field if it does not)
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` request field: exactly one constraint (`StructuredOutputsParams`)."""
+
+    json_: JsonSchema | str | None = Field(None, alias="json")  # BaseModel has a method named json
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def params(self) -> StructuredOutputsParams:
+        """The constraint; InvalidRequestError naming `structured_outputs.<field>` when it is malformed."""
+        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
+                                       json_object=self.json_object or None,
+                                       disable_any_whitespace=self.disable_any_whitespace)
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    # OpenAI's field is `schema`; pydantic's BaseModel has a method of that name, hence the alias
+    schema_: JsonSchema | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatText(_Strict):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(_Strict):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJsonSchema(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema,
+                           Field(discriminator="type")]
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: JsonSchema | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class _SamplingFields(_Strict):
     """OpenAI's sampling fields and vLLM's extra ones, with SamplingParams' bounds."""
 
@@ -83,10 +157,14 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[JsonInt] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
-                        ) -> SamplingParams:
-        """SamplingParams for this body: DELTA outputs for a stream, FINAL_ONLY otherwise."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
+        """SamplingParams for this body: DELTA outputs for a stream, FINAL_ONLY otherwise; `structured`: the
+        request's constraint, whichever field gave it (`structured_outputs` unless the caller says otherwise)."""
+        if structured is None and self.structured_outputs is not None:
+            structured = self.structured_outputs.params()
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -95,7 +173,7 @@ class _SamplingFields(_Strict):
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, max_tokens=max_tokens,
             min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
-            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
+            structured_outputs=structured, output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -116,11 +194,24 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # None only for an assistant message that has tool_calls
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls, sent back by the client
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -129,6 +220,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: json_int(**_bounded("max_tokens")) | None = None
     logprobs: bool = False
     top_logprobs: json_int(**_bounded("logprobs")) | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # with tools, OpenAI's default is "auto" (refused: see tools.py)
 
 
 @dataclass(frozen=True)
@@ -170,7 +264,7 @@ def bounded_request_models(limits: EngineLimits) -> tuple[type[CompletionRequest
 
 
 # ------------------------------------------------------------------------------------------ responses
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
 
 
 class ErrorInfo(BaseModel):
@@ -235,7 +329,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the answer is tool calls
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -255,9 +350,24 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a streamed tool call: the first carries its id and name, later ones more of its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -6,7 +6,10 @@
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (the tokenizer's
 chat template; content a string or a list of text parts), `GET /health`, `GET /metrics`
-(Prometheus). Responses carry OpenAI's fields, `usage` and `logprobs` included; `stream: true`
+(Prometheus). Constrained output (lesson 15): `structured_outputs` (vLLM's: json, regex, choice,
+grammar) on both completions routes, `response_format` (json_schema, json_object) and `tools` with a
+`tool_choice` naming a function or "required" on chat (`tools.py`; "auto" needs a tool-call parser this
+model lacks and is refused). Responses carry OpenAI's fields, `usage` and `logprobs` included; `stream: true`
 sends one server-sent event per generated token (even when its text is still incomplete), ending
 with `data: [DONE]`. Every failure is OpenAI's JSON error object: 400 for an invalid request (its
 `param` names the field), 404 for an unknown model or route, 413 for a body over the limit, 500 when
@@ -42,6 +45,7 @@ from . import protocol
 from .async_engine import AsyncLLMEngine, RequestStream
 from .metrics import ServerMetrics
 from .responses import APIError, Formatter, OpenAIResponse
+from .tools import ChatConstraint, chat_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +220,12 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
         except InvalidRequestError as error:
             raise _refused(error, field_names) from error
 
+    def constraint_of(body: Any) -> ChatConstraint:
+        try:
+            return chat_constraint(body)
+        except InvalidRequestError as error:
+            raise _refused(error, {}) from error
+
     @app.post("/v1/completions", response_model=protocol.CompletionResponse,
               responses={**_sse_doc(protocol.CompletionChunk), **_ERRORS})
     async def completions(body: CompletionRequest, request: Request) -> Any:  # type: ignore[valid-type]
@@ -241,14 +251,16 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
         check_model(body.model)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = sampling_params(body, chat_fields, max_tokens=max_tokens, logprobs=logprobs)
-        messages = [message.model_dump() for message in body.messages]
-        streams = await start(lambda: _as_list(async_engine.add_chat(messages, params)), chat_fields)
-        return await respond(streams, body, request, chat=True, num_top=body.top_logprobs or 0)
+        constraint = constraint_of(body)
+        fields = {**chat_fields, **constraint.field_names}
+        params = sampling_params(body, fields, max_tokens=max_tokens, logprobs=logprobs,
+                                 structured=constraint.structured)
+        streams = await start(lambda: _as_list(async_engine.add_chat(constraint.messages, params)), fields)
+        return await respond(streams, body, request, chat=True, num_top=body.top_logprobs or 0, constraint=constraint)
 
     async def respond(streams: list[RequestStream], body: protocol._SamplingFields, request: Request,
-                      chat: bool, num_top: int) -> Any:
-        response = OpenAIResponse(formatter, body.n, chat, num_top)
+                      chat: bool, num_top: int, constraint: ChatConstraint | None = None) -> Any:
+        response = OpenAIResponse(formatter, body.n, chat, num_top, constraint)
         if body.stream:
             return StreamingResponse(sse_events(response.stream(streams, metrics, body.include_usage_in_stream)),
                                      media_type="text/event-stream")
