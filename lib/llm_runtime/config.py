@@ -276,7 +276,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_num_stop_strings",
-                     "max_stop_string_len"):
+                     "max_stop_string_len", "max_grammar_chars"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -295,9 +295,6 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if isinstance(self.max_grammar_chars, bool) or not isinstance(self.max_grammar_chars, int) or \
-                self.max_grammar_chars < 1:
-            raise ValueError(f"max_grammar_chars must be an integer >= 1, got {self.max_grammar_chars!r}")
         timeout = self.grammar_compile_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ValueError(f"grammar_compile_timeout_s must be a number of seconds > 0, got {timeout!r}")

@@ -194,13 +194,9 @@ class InputProcessor:
             if longest > config.max_stop_string_len:
                 raise InvalidRequestError("stop", f"a stop string may have at most {config.max_stop_string_len} "
                                                   f"characters, got {longest}")
-        if params.structured_outputs is not None:
-            if params.min_tokens:
-                raise InvalidRequestError("min_tokens", "min_tokens cannot be combined with structured_outputs: the "
-                                                        "grammar decides where the output may end")
-            if self.tokenizer is None:
-                raise InvalidRequestError("structured_outputs", "structured_outputs needs a tokenizer; this engine "
-                                                                "has none")
+        if params.structured_outputs is not None and params.min_tokens:
+            raise InvalidRequestError("min_tokens", "min_tokens cannot be combined with structured_outputs: the "
+                                                    "grammar decides where the output may end")
         return params
 
     def _check_text_length(self, text: str, param: str) -> None:
