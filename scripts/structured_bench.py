@@ -36,7 +36,7 @@ LONG_KEYS = {"type": "object", "properties": {
 
 def run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, list]:
     """Seconds to finish every request (added at once), and their completions in order."""
-    engine.profile.__init__()  # a fresh breakdown for this run
+    engine.profile.reset()  # a fresh breakdown for this run
     started = time.perf_counter()
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), prompt, p)

@@ -43,6 +43,11 @@ def test_continuous_batching_with_chunked_prefill(tiny_pairs, backend: str) -> N
     profile = engine.profile
     assert 0 < profile.attention < profile.forward
     assert 0 < profile.fractions()["attention"] < profile.fractions()["forward"]
+    # A reset zeroes it in place: the runner still fills the object the engine shows.
+    profile.reset()
+    assert profile.num_steps == 0 and profile.forward == 0.0 and engine.model_runner.profile is profile
+    run_engine(engine, workload[:2])
+    assert profile.num_steps > 0 and profile.forward > 0
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

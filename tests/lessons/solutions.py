@@ -771,6 +771,74 @@ def tokens_per_verification_independent(acceptance_rate: float, k: int) -> float
     return 1 + acceptance_rate * k  # as if a rejected draft did not end the verification
 
 
+# ------------------------------------------------------------------------------------------ lesson 15
+
+
+def unpack_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = (bitmask[:, :, None] >> bits) & 1  # (rows, words, 32)
+    return allowed.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def unpack_mask_most_significant_bit_first(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    bits = 31 - torch.arange(32, dtype=torch.int32)
+    allowed = (bitmask[:, :, None] >> bits) & 1
+    return allowed.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def unpack_mask_without_the_sign_bit(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Reads 31 bits a word, as if bit 31 (the sign) could not hold a token."""
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> bits) & 1) * (bits < 31)
+    return allowed.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def choice_mask(choices: list[str], text: bytes, vocab: list[bytes]) -> list[bool]:
+    encoded = [choice.encode() for choice in choices]
+    return [bool(token) and any(choice.startswith(text + token) for choice in encoded) for token in vocab]
+
+
+def choice_mask_from_the_start(choices: list[str], text: bytes, vocab: list[bytes]) -> list[bool]:
+    """Forgets what the output holds so far: a token is allowed if some choice starts with it."""
+    return [bool(token) and any(choice.encode().startswith(token) for choice in choices) for token in vocab]
+
+
+def choice_mask_first_byte_only(choices: list[str], text: bytes, vocab: list[bytes]) -> list[bool]:
+    """Checks the token's first byte, as if a token were one character."""
+    return [bool(token) and any(choice.encode().startswith(text + token[:1]) for choice in choices)
+            for token in vocab]
+
+
+def forced_text(dfa, prefix: bytes) -> bytes:
+    state, forced = dfa.walk(dfa.start, prefix), b""
+    while state and not dfa.accepts(state):
+        live = [byte for byte in range(256) if dfa.step(state, byte)]
+        if len(live) != 1:
+            break
+        forced += bytes(live)
+        state = dfa.step(state, live[0])
+    return forced
+
+
+def forced_text_past_a_match(dfa, prefix: bytes) -> bytes:
+    """Goes on while one byte is possible, even where the text could already end."""
+    state, forced = dfa.walk(dfa.start, prefix), b""
+    while state:
+        live = [byte for byte in range(256) if dfa.step(state, byte)]
+        if len(live) != 1:
+            break
+        forced += bytes(live)
+        state = dfa.step(state, live[0])
+    return forced
+
+
+def forced_text_one_byte(dfa, prefix: bytes) -> bytes:
+    """Looks one byte ahead only."""
+    state = dfa.walk(dfa.start, prefix)
+    live = [byte for byte in range(256) if state and not dfa.accepts(state) and dfa.step(state, byte)]
+    return bytes(live) if len(live) == 1 else b""
+
+
 SOLUTIONS: dict[str, Callable] = {
     "lesson01.rms_norm": rms_norm,
     "lesson01.kv_bytes_per_token": kv_bytes_per_token,
@@ -805,6 +873,9 @@ SOLUTIONS: dict[str, Callable] = {
     "lesson14.propose": propose,
     "lesson14.verify_sampled": verify_sampled,
     "lesson14.tokens_per_verification": tokens_per_verification,
+    "lesson15.unpack_mask": unpack_mask,
+    "lesson15.choice_mask": choice_mask,
+    "lesson15.forced_text": forced_text,
 }
 
 WRONG: dict[str, list[Callable]] = {
@@ -844,4 +915,7 @@ WRONG: dict[str, list[Callable]] = {
     "lesson14.propose": [propose_most_recent_occurrence, propose_shortest_match_first],
     "lesson14.verify_sampled": [verify_sampled_replacing_from_p, verify_sampled_keeping_likelier_drafts],
     "lesson14.tokens_per_verification": [tokens_per_verification_independent],
+    "lesson15.unpack_mask": [unpack_mask_most_significant_bit_first, unpack_mask_without_the_sign_bit],
+    "lesson15.choice_mask": [choice_mask_from_the_start, choice_mask_first_byte_only],
+    "lesson15.forced_text": [forced_text_past_a_match, forced_text_one_byte],
 }

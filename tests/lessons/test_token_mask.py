@@ -1,6 +1,7 @@
 """Lesson 15's hand-built token mask: the regex automaton matches Python's `re` on whole strings, and its masks
 equal xgrammar's on the bundled tokenizer, at the start and after prefixes (tokens that cross several states
-included); the end-of-sequence token is allowed exactly where the automaton accepts."""
+included); the end-of-sequence token is allowed exactly where the automaton accepts; and the text the
+automaton forces (`forced_bytes`) is xgrammar's jump-forward string."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import re
 import pytest
 import torch
 
-from llm_runtime.lessons.token_mask import CharacterDFA, token_mask
+from llm_runtime.lessons.token_mask import CharacterDFA, forced_bytes, token_mask
 
 PATTERNS = [r"\(\d{3}\) \d{3}-\d{4}", r"(cat|dog)s?( and (cat|dog)s?)*", r"[a-z]{2,4}@[a-z]+\.(com|org)",
             r"-?[0-9]+(\.[0-9]{1,2})?", r"[^,]{1,3},x*"]
@@ -54,3 +55,21 @@ def test_the_hand_built_masks_equal_xgrammars(bundled) -> None:
             assert 0 < int(ours.sum()) < len(vocab) // 2
             spanning += sum(len(vocab[i]) > 1 for i in ours.nonzero().flatten().tolist())
     assert spanning > 0  # some allowed tokens cross several states of the automaton
+
+
+def test_the_forced_text_is_xgrammars_jump_forward_string(bundled) -> None:
+    pytest.importorskip("xgrammar")
+    from llm_runtime.sampling import StructuredOutputsParams
+    from llm_runtime.structured_output import GrammarCompiler, GrammarState
+
+    _, tokenizer = bundled
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    record = r'\{"name": "[a-z]+", "age": \d+\}'
+    cases = [(record, "", '{"name": "'), (record, '{"name": "bob"', ', "age": '), (record, '{"name": "bo', ""),
+             (PATTERNS[0], "(555", ") "), (r"(cat|dog)s?", "c", "at"), (r"(cat|dog)s?", "cat", ""),
+             (r"colou?r", "col", "o")]
+    for pattern, prefix, forced in cases:
+        dfa, state = CharacterDFA(pattern), GrammarState(compiler.compile(StructuredOutputsParams(regex=pattern)))
+        assert all(state.accept(token) for token in tokenizer.encode(prefix))
+        assert forced_bytes(dfa, dfa.walk(dfa.start, prefix.encode())) == forced.encode(), (pattern, prefix)
+        assert state.matcher.find_jump_forward_string() == forced, (pattern, prefix)

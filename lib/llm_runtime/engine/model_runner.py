@@ -66,6 +66,11 @@ class StepProfile:
     # (lesson 11). On CUDA it only sees the kernel launches.
     attention: float = 0.0
 
+    def reset(self) -> None:
+        """Zero every counter, in place: a fresh breakdown that the engine and its runner still share."""
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
     def fractions(self) -> dict[str, float]:
         """Each phase's share of step time (the phases sum to 1), and attention's share of it."""
         phases = [f.name for f in fields(self) if f.name not in ("num_steps", "attention")]

@@ -4,6 +4,7 @@ allowed next.
     dfa = CharacterDFA(r"\\(\\d{3}\\) \\d{3}-\\d{4}")
     state = dfa.walk(dfa.start, b"(555) ")          # None once the text can no longer match
     allowed = token_mask(dfa, state, vocab)          # (len(vocab),) bool: tokens that keep a match possible
+    forced_bytes(dfa, state)                         # b"" or the text the pattern fixes next (jump-forward)
 
 The automaton reads bytes, as the vocabulary's tokens are byte strings: a token is allowed if walking all of
 its bytes from the current state never leaves the automaton, and one token may cross several states on the
@@ -172,6 +173,9 @@ class CharacterDFA:
         self.start = self._closure({begin})
         self._steps: dict[tuple[frozenset[int], int], frozenset[int]] = {}
 
+    def __repr__(self) -> str:
+        return f"CharacterDFA({self.pattern!r})"
+
     def _closure(self, states: set[int]) -> frozenset[int]:
         stack, seen = list(states), set(states)
         while stack:
@@ -203,3 +207,17 @@ class CharacterDFA:
 def token_mask(dfa: CharacterDFA, state: frozenset[int], vocab: list[bytes]) -> torch.Tensor:
     """(len(vocab),) bool: the tokens whose bytes keep a match possible from `state` (an empty token never)."""
     return torch.tensor([bool(token) and dfa.walk(state, token) is not None for token in vocab])
+
+
+def forced_bytes(dfa: CharacterDFA, state: frozenset[int] | None, limit: int = 256) -> bytes:
+    """The text the automaton allows as the only continuation from `state`: bytes are taken while exactly one
+    byte keeps a match possible and the text so far is not already a match (where it could also end). b"" at
+    a choice, at an accepting state or at a dead one; at most `limit` bytes."""
+    forced = bytearray()
+    while state and not dfa.accepts(state) and len(forced) < limit:
+        live = [byte for byte in range(256) if dfa.step(state, byte)]
+        if len(live) != 1:
+            break
+        forced.append(live[0])
+        state = dfa.step(state, live[0])
+    return bytes(forced)

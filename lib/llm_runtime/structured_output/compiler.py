@@ -17,6 +17,7 @@ the input processor on a worker thread, never on the event loop.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
@@ -45,6 +46,16 @@ def choice_grammar(choices: list[str]) -> str:
 def _ebnf_string(text: str) -> str:
     """A quoted EBNF literal: backslash, quote and control characters escaped, the rest as it is."""
     return json.dumps(text, ensure_ascii=False)
+
+
+# xgrammar's errors open with a time and the C++ source line that raised them: "[17:57:45] /project/cpp/x.cc:94: "
+_LOG_PREFIX = re.compile(r"^\[[0-9:.]+\] \S+:[0-9]+: ")
+
+
+def _reason(error: Exception) -> str:
+    """The first line of a compile error, without xgrammar's log prefix: what the client should fix."""
+    text = str(error).strip()
+    return _LOG_PREFIX.sub("", text.splitlines()[0]) if text else type(error).__name__
 
 
 class GrammarCompiler:
@@ -88,7 +99,7 @@ class GrammarCompiler:
             raise InvalidRequestError(params.param, f"{params.param} did not compile within {self.timeout_s:g} s; "
                                                     f"simplify it") from None
         except (RuntimeError, ValueError, TypeError) as error:  # xgrammar's parse and schema errors
-            message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            message = _reason(error)
             raise InvalidRequestError(params.param, f"{params.param} does not compile: {message}") from None
         grammar = CompiledGrammar(params.key, compiled, self.vocab_size)
         with self._lock:
