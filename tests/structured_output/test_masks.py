@@ -78,3 +78,21 @@ def test_jump_forward_proposes_the_fixed_text_and_nothing_where_it_is_free(compi
     assert state.forced_tokens(bundled_tokenizer, 32) == []  # the number is the model's to choose
     free = GrammarState(compiler.compile(Params(regex=r"[a-z]+")))
     assert free.forced_tokens(bundled_tokenizer, 8) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_masks_applied_on_a_gpu_from_pinned_memory_equal_the_cpus(compiler, bundled_tokenizer) -> None:
+    """On CUDA the mask and the row index go over from pinned memory, without waiting for the stream; the
+    masked logits are the CPU's, bit for bit."""
+    state = GrammarState(compiler.compile(Params(regex=r"[a-z]{2,5}")))
+    vocab = len(bundled_tokenizer)
+    bitmask = allocate_bitmask(2, vocab, pin_memory=True)
+    assert bitmask.is_pinned()
+    state.fill(bitmask, 0)
+    state.fill(bitmask, 1)
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    on_cpu = apply_bitmask(logits, bitmask, [0, 2])
+    on_gpu = apply_bitmask(logits.cuda(), bitmask, [0, 2])
+    assert torch.equal(on_gpu.cpu(), on_cpu)
+    assert torch.equal(on_cpu[1], logits[1]) and bool(torch.isinf(on_cpu[0]).any())

@@ -201,7 +201,7 @@ class ModelRunner:
         started = time.perf_counter()
         constrained = [(item, first) for item, first in zip(items, first_rows) if item.seq.grammar is not None]
         rows = [first + r for item, first in constrained for r in range(1 + len(item.draft_token_ids))]
-        bitmask = allocate_bitmask(len(rows), logits.shape[1])  # (rows, ceil(vocab / 32)) int32
+        bitmask = allocate_bitmask(len(rows), logits.shape[1], pin_memory=logits.device.type == "cuda")  # (rows, W)
         row = 0
         for item, _ in constrained:
             grammar = item.seq.grammar

@@ -27,9 +27,10 @@ import torch
 from ..model.tokenizer import Tokenizer
 from .compiler import CompiledGrammar
 
-def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
-    """(num_rows, ceil(vocab / 32)) int32, every bit set: a mask that allows every token."""
-    return torch.full((num_rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+def allocate_bitmask(num_rows: int, vocab_size: int, pin_memory: bool = False) -> torch.Tensor:
+    """(num_rows, ceil(vocab / 32)) int32 on the host, every bit set: a mask that allows every token. Pinned
+    (`pin_memory`, CUDA only) when it is to be copied to a GPU without waiting for it."""
+    return torch.full((num_rows, (vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=pin_memory)
 
 
 class GrammarState:
