@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="fraction of device memory this process may use (another process on the GPU? lower it)")
     srv.add_argument("--kv-cache-memory", type=int, default=None, help="the KV pool in bytes (default: the rule)")
     srv.add_argument("--enforce-eager", action="store_true", help="no torch.compile, no CUDA graphs")
+    srv.add_argument("--batch-invariant", action="store_true",
+                     help="a request's logits bitwise the same whatever runs beside it (the CPU; lesson 16)")
     srv.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
                      help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     srv.add_argument("--check-invariants", action="store_true", help="check the scheduler's books every step")
@@ -106,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                                                             kv_cache_dtype=args.kv_cache_dtype,
                                                             check_invariants=args.check_invariants,
                                                             enforce_eager=args.enforce_eager,
+                                                            batch_invariant=args.batch_invariant,
                                                             speculative_config=args.speculative_config),
                              owns_model=True)
 

@@ -260,6 +260,11 @@ class EngineConfig:
     # None: on CUDA, where the attention backend can be captured, unless enforce_eager.
     cuda_graphs: bool | None = None
     enforce_eager: bool = False  # as vLLM's: no torch.compile, no CUDA graphs; every step runs eagerly
+    # Batch invariance (model/batch_invariant.py, lesson 16): a request's logits bitwise the same whatever else runs
+    # in its steps, however its prompt is chunked or cached, with or without speculation, in a prefill chunk or a
+    # decode step. On the CPU for now: packed linears (a lone row multiplied as two), every attention row through
+    # the C kernel, no torch.compile.
+    batch_invariant: bool = False
     # Limits on what one request may ask for (the input processor refuses more, naming the field).
     max_logprobs: int = 20  # top logprobs per token (`logprobs`, `prompt_logprobs`), as vLLM's default
     max_num_stop_strings: int = 16  # stop strings per request
@@ -295,6 +300,15 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.batch_invariant:
+            clashes = [name for name, value in (("compile_model", self.compile_model),
+                                                ("compile_pointwise", self.compile_pointwise),
+                                                ("cuda_graphs", self.cuda_graphs)) if value]
+            if self.prepack_weights is False:
+                clashes.append("prepack_weights=False")
+            if clashes:
+                raise ValueError(f"batch_invariant=True runs packed linears and no compiled code; it cannot be "
+                                 f"combined with {', '.join(clashes)}")
         timeout = self.grammar_compile_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ValueError(f"grammar_compile_timeout_s must be a number of seconds > 0, got {timeout!r}")

@@ -76,6 +76,7 @@ def test_bench_command_end_to_end_on_the_bundled_model(bundled, tmp_path) -> Non
     assert {p.name for p in tmp_path.glob("*.png")} == {"throughput.png", "latency_cdf.png", "ttft_vs_rate.png"}
     assert main(["bench", "--runners", "engine,vllm", "--output-dir", str(tmp_path)]) == 2
     assert main(["bench", "--attention-backends", "fastest", "--output-dir", str(tmp_path)]) == 2
+    assert main(["bench", "--batch-invariant", "--compile-pointwise", "--output-dir", str(tmp_path)]) == 2
 
 
 def test_bench_speculates_when_asked_and_reports_the_acceptance(bundled, tmp_path, capsys) -> None:

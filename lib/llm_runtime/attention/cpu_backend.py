@@ -75,6 +75,7 @@ class CpuKernelBackend(BlockwiseBackend):
 
     name = "cpu"
     kernel_max_rows = 512  # the longest chunk sent to the kernel (about where the two paths break even here)
+    EVERY_ROW = 2**62  # kernel_max_rows of a batch-invariant engine: every chunk to the kernel, however long
     reads_quantized_kv = True  # an 8-bit pool through `forward_quantized`, in place
 
     @classmethod

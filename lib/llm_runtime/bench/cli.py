@@ -62,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-compile-model", action="store_true",
                         help="engine: the forward pass eagerly (by default on the CPU it runs as one compiled graph)")
     parser.add_argument("--enforce-eager", action="store_true", help="engine: no torch.compile, no CUDA graphs")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="engine: a request's logits bitwise the same whatever runs beside it (the CPU; lesson 16)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="engine: every step eagerly, but torch.compile where it applies (by default decode "
                              "steps replay CUDA graphs on CUDA)")
@@ -116,6 +118,10 @@ def run(args: argparse.Namespace) -> int:
     if args.compile_pointwise and args.enforce_eager:
         print("error: --compile-pointwise asks for torch.compile, which --enforce-eager forbids", file=sys.stderr)
         return 2
+    if args.batch_invariant and (args.compile_pointwise or args.no_prepack_weights):
+        print("error: --batch-invariant runs packed linears and no torch.compile: drop --compile-pointwise and "
+              "--no-prepack-weights", file=sys.stderr)
+        return 2
     if "vllm-cpu" in names:  # before anything slow: is vLLM's environment there?
         from .vllm_runner import require_vllm_python
 
@@ -139,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
                       "compile_pointwise": True if args.compile_pointwise else None,
                       "compile_model": False if args.no_compile_model else None,
                       "enforce_eager": args.enforce_eager, "cuda_graphs": False if args.no_cuda_graphs else None,
+                      "batch_invariant": args.batch_invariant,
                       "kv_cache_dtype": args.kv_cache_dtype, "speculative_config": args.speculative_config}
     runners = []
     if "engine" in names:

@@ -35,6 +35,7 @@ from ..config import EngineConfig
 from ..errors import EngineDeadError, InvalidRequestError, is_device_fault
 from ..model import CausalLM
 from ..model.pointwise import EAGER_OPS, compiled_ops, pointwise_ops_of, set_pointwise_ops_
+from ..model.batch_invariant import batch_invariant_unsupported_reason, make_batch_invariant_
 from ..model.packed_linear import is_packed, pack_linears_, packing_unsupported_reason
 from ..model.tokenizer import Tokenizer
 from ..sampling import Sampler, SamplingParams
@@ -132,7 +133,13 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} cannot be scheduled with enable_chunked_prefill="
                              f"False and max_num_batched_tokens={config.max_num_batched_tokens}: a sequence must "
                              f"fit in one step (max_model_len <= max_num_batched_tokens + 1)")
+        if config.batch_invariant:
+            reason = batch_invariant_unsupported_reason(model)
+            if reason is not None:
+                raise ValueError(reason)
         self._pack_linears(owns_model)  # before the KV budget, which counts the weights as they end up
+        if config.batch_invariant:
+            make_batch_invariant_(model)
         self._compile_pointwise(owns_model)
         self.draft_model = self._draft_model(draft_model)  # its weights and its KV pool count in the budget too
         if model.device.type == "cpu":
@@ -142,6 +149,13 @@ class LLMEngine:
         self.attention_backend = select_backend(config.attention_backend, model.device, model.dtype, os.environ,
                                                   block_size)
         logger.info("attention backend: %s", self.attention_backend.name)
+        if config.batch_invariant:
+            if self.attention_backend.name != "cpu":
+                raise ValueError(f"batch_invariant=True attends with the cpu backend's C kernel, not "
+                                 f"{self.attention_backend.name!r}: {self.attention_backend.name} reduces a row in an "
+                                 f"order that depends on its chunk")
+            backend = self.attention_backend
+            backend.kernel_max_rows = backend.EVERY_ROW  # type: ignore[attr-defined]  # prefill rows as decode rows
         wants_graphs = self._wants_graphs()
         num_blocks = self._num_kv_blocks(config.max_model_len or limit, graphs=wants_graphs)
         if config.max_model_len is not None and config.max_model_len > num_blocks * block_size:
@@ -188,7 +202,7 @@ class LLMEngine:
         wanted = self.config.prepack_weights
         reason = packing_unsupported_reason(self.model)
         if wanted is None:
-            wanted = owns_model and reason is None
+            wanted = (owns_model or self.config.batch_invariant) and reason is None
         if not wanted:
             return
         if reason is not None:
@@ -202,13 +216,14 @@ class LLMEngine:
         or says None and the engine owns the model on CUDA (on the CPU it measured no faster); never with
         enforce_eager."""
         wanted = self.config.compile_pointwise
+        eager = self.config.enforce_eager or self.config.batch_invariant
         if wanted is None:
-            wanted = owns_model and self.model.device.type == "cuda" and not self.config.enforce_eager
+            wanted = owns_model and self.model.device.type == "cuda" and not eager
         compiled = pointwise_ops_of(self.model).name == "compiled"
         if wanted and not compiled:
             count = set_pointwise_ops_(self.model, compiled_ops())
             logger.info("compiled the pointwise ops of %d modules", count)
-        elif compiled and (self.config.enforce_eager or self.config.compile_pointwise is False):
+        elif compiled and (eager or self.config.compile_pointwise is False):
             set_pointwise_ops_(self.model, EAGER_OPS)  # asked for eager: a model compiled by an earlier engine too
 
     def _draft_model(self, draft_model: CausalLM | None) -> CausalLM | None:
@@ -266,6 +281,8 @@ class LLMEngine:
         says None and the engine owns a CPU model whose attention backend allows it; never with enforce_eager."""
         wanted = self.config.compile_model
         reason = compiled_forward_unavailable_reason(self.attention_backend, self.config.kv_cache_dtype)
+        if self.config.batch_invariant:
+            return False  # the config refuses compile_model=True with it
         if wanted is None:
             return (owns_model and self.model.device.type == "cpu" and reason is None and not self.config.enforce_eager
                     and self.config.compile_pointwise is not True)
