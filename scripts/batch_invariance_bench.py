@@ -2,7 +2,7 @@
 the invariant mode costs, each measured side by side in one run.
 
     .venv/bin/python scripts/batch_invariance_bench.py                 # 100 copies under load; 48 requests
-    .venv/bin/python scripts/batch_invariance_bench.py --copies 30 --batch 16
+    .venv/bin/python scripts/batch_invariance_bench.py --copies 30 --copy-tokens 48 --batch 16
 
 1. Under varying load: `--copies` identical greedy requests, in rounds of 1 to 4 beside a crowd of 0 to 20
    others that stop at different lengths, in the default mode and with batch_invariant=True; the distinct
@@ -64,6 +64,7 @@ def throughput(llm: LLM, prompts: list[list[int]], batch: int, tokens: int) -> f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--copies", type=int, default=100)
+    parser.add_argument("--copy-tokens", type=int, default=96, help="tokens each identical request generates")
     parser.add_argument("--batch", type=int, default=48)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=2)
@@ -75,9 +76,9 @@ def main() -> None:
         llms[name] = LLM.from_model(model, tokenizer, owns_model=True, kv_cache_memory=512 << 20, **options)
     tokenizer = llms["default"].tokenizer
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
-    print(f"{args.copies} identical greedy requests of {args.tokens} tokens under a changing load, bfloat16:")
+    print(f"{args.copies} identical greedy requests of {args.copy_tokens} tokens under a changing load, bfloat16:")
     for name, llm in llms.items():
-        results = under_load(llm, prompts, args.copies, args.tokens, seed=16)
+        results = under_load(llm, prompts, args.copies, args.copy_tokens, seed=16)
         completions = Counter(tokens for tokens, _ in results)
         common = completions.most_common(1)[0][0]
         parted = sorted(next((i for i, (a, b) in enumerate(zip(tokens, common)) if a != b), len(common))
