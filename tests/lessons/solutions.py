@@ -839,6 +839,53 @@ def forced_text_one_byte(dfa, prefix: bytes) -> bytes:
     return bytes(live) if len(live) == 1 else b""
 
 
+# ------------------------------------------------------------------------------------------ lesson 16
+
+
+def blocked_sum(values: list[float], block: int) -> float:
+    partials = []
+    for start in range(0, len(values), block):
+        total = np.float32(0.0)
+        for value in values[start : start + block]:
+            total = np.float32(total + np.float32(value))
+        partials.append(total)
+    total = np.float32(0.0)
+    for partial in partials:
+        total = np.float32(total + partial)
+    return float(total)
+
+
+def blocked_sum_in_float64(values: list[float], block: int) -> float:
+    """Adds in Python floats and rounds to float32 only at the end."""
+    partials = [sum(values[start : start + block]) for start in range(0, len(values), block)]
+    return float(np.float32(sum(partials)))
+
+
+def blocked_sum_ignoring_the_blocks(values: list[float], block: int) -> float:
+    """One left-to-right float32 sum, whatever the block."""
+    total = np.float32(0.0)
+    for value in values:
+        total = np.float32(total + np.float32(value))
+    return float(total)
+
+
+def rows_invariant(fn, x: torch.Tensor, chunk_sizes: tuple[int, ...]) -> bool:
+    whole = fn(x)
+    return all(torch.equal(torch.cat([fn(x[i : i + size]) for i in range(0, len(x), size)]), whole)
+               for size in chunk_sizes)
+
+
+def rows_invariant_to_rounding(fn, x: torch.Tensor, chunk_sizes: tuple[int, ...]) -> bool:
+    """Compares with allclose: a difference in the last bits passes."""
+    whole = fn(x)
+    return all(torch.allclose(torch.cat([fn(x[i : i + size]) for i in range(0, len(x), size)]), whole)
+               for size in chunk_sizes)
+
+
+def rows_invariant_one_row_at_a_time_only(fn, x: torch.Tensor, chunk_sizes: tuple[int, ...]) -> bool:
+    """Tries chunks of one row only, whatever chunk_sizes says."""
+    return torch.equal(torch.cat([fn(x[i : i + 1]) for i in range(len(x))]), fn(x))
+
 SOLUTIONS: dict[str, Callable] = {
     "lesson01.rms_norm": rms_norm,
     "lesson01.kv_bytes_per_token": kv_bytes_per_token,
@@ -876,6 +923,8 @@ SOLUTIONS: dict[str, Callable] = {
     "lesson15.unpack_mask": unpack_mask,
     "lesson15.choice_mask": choice_mask,
     "lesson15.forced_text": forced_text,
+    "lesson16.blocked_sum": blocked_sum,
+    "lesson16.rows_invariant": rows_invariant,
 }
 
 WRONG: dict[str, list[Callable]] = {
@@ -918,4 +967,6 @@ WRONG: dict[str, list[Callable]] = {
     "lesson15.unpack_mask": [unpack_mask_most_significant_bit_first, unpack_mask_without_the_sign_bit],
     "lesson15.choice_mask": [choice_mask_from_the_start, choice_mask_first_byte_only],
     "lesson15.forced_text": [forced_text_past_a_match, forced_text_one_byte],
+    "lesson16.blocked_sum": [blocked_sum_in_float64, blocked_sum_ignoring_the_blocks],
+    "lesson16.rows_invariant": [rows_invariant_to_rounding, rows_invariant_one_row_at_a_time_only],
 }

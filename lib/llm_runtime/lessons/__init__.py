@@ -5,6 +5,7 @@
 `comparable_model` and `assert_same_tokens` state once where token-equality asserts hold (`equality.py`);
 `runs_here` is how a lesson skips a part its device cannot run, `workload_size` how it sizes a timed load
 for a CPU playing a GPU (`device_rules.py`);
+`invariance.py` holds lesson 16's sum in blocks and probe for batch invariance;
 `exercises/` holds a checker per exercise at the end of each lesson, run against the package's own code.
 """
 
