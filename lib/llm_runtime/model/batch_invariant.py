@@ -8,7 +8,8 @@ checks the outcome end to end):
 - oneDNN's matrix multiply gives every row of a product with two or more rows the same bits, whatever the
   number of rows (2 to 2,048) and the row's place; one row alone goes through another kernel (a matrix-vector
   product) whose sums round otherwise, about 1 output in 10,000. So a lone row is multiplied as two
-  (`PackedLinear.single_row_as_two`): it costs what one row costs, the product being bound by the weights' bytes.
+  (`PackedLinear.single_row_as_two`): measured 1.1-1.3x the time of one row's product, in steps that compute a
+  single row (a decode at batch 1) only.
 - RMSNorm, rotary and SiLU-and-multiply work row by row, and the sampler's softmax too: invariant as they are.
 - Attention: the C kernel (attention/cpu_kernels.py) walks one query row's keys in chunks of 16 in order, the
   same for a decode and for a prefill chunk's row at the same position; the block-wise path, which long chunks

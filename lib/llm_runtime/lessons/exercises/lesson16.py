@@ -18,9 +18,9 @@ from .check import Case, Verdict, run_cases, same_value
 
 
 def check_blocked_sum(fn: object) -> Verdict:
-    """`blocked_sum(values, block) -> float`: in float32 (numpy.float32 or a float32 tensor), sum each run of
-    `block` values left to right, starting from 0, then add those partial sums left to right, starting from 0.
-    Return the total as a Python float."""
+    """`blocked_sum(values, block) -> float`: in float32 (numpy.float32 or a float32 tensor; each value converted
+    to float32 first), sum each run of `block` values left to right, starting from 0, then add those partial sums
+    left to right, starting from 0. Return the total as a Python float."""
 
     def cases() -> list[Case]:
         rng = random.Random(16)
@@ -57,11 +57,15 @@ def _row_functions() -> list[tuple[str, object]]:
             return torch.stack([torch.stack([c.sum() for c in rows[0].split(8)]).sum()]).reshape(1, 1)
         return torch.stack([torch.stack(list(row)).cumsum(0)[-1] for row in rows]).reshape(-1, 1)
 
+    def nudged_when_alone(rows: torch.Tensor) -> torch.Tensor:
+        return rows + rows * 2**-20 if len(rows) == 1 else rows  # a last-bit change for a lone row
+
     def linear_in_float64(rows: torch.Tensor) -> torch.Tensor:
         return (rows.double() @ weight.double().T).float()
 
     return [("per_row_sum", per_row_sum), ("scaled_by_the_batch", scaled_by_the_batch),
             ("centred_on_the_batch", centred_on_the_batch), ("blocked_when_alone", blocked_when_alone),
+            ("nudged_when_alone", nudged_when_alone),
             ("linear_in_float64", linear_in_float64)]
 
 
