@@ -262,8 +262,9 @@ class EngineConfig:
     enforce_eager: bool = False  # as vLLM's: no torch.compile, no CUDA graphs; every step runs eagerly
     # Batch invariance (model/batch_invariant.py, lesson 16): a request's logits bitwise the same whatever else runs
     # in its steps, however its prompt is chunked or cached, with or without speculation, in a prefill chunk or a
-    # decode step. On the CPU for now: packed linears (a lone row multiplied as two), every attention row through
-    # the C kernel, no torch.compile.
+    # decode step. On the CPU: packed linears (a lone row multiplied as two), every attention row through the C
+    # kernel; on CUDA: Triton kernels with fixed reduction orders for the linears, RMSNorm and attention. No
+    # torch.compile and no CUDA graphs either way.
     batch_invariant: bool = False
     # Limits on what one request may ask for (the input processor refuses more, naming the field).
     max_logprobs: int = 20  # top logprobs per token (`logprobs`, `prompt_logprobs`), as vLLM's default
@@ -307,8 +308,8 @@ class EngineConfig:
             if self.prepack_weights is False:
                 clashes.append("prepack_weights=False")
             if clashes:
-                raise ValueError(f"batch_invariant=True runs packed linears and no compiled code; it cannot be "
-                                 f"combined with {', '.join(clashes)}")
+                raise ValueError(f"batch_invariant=True runs no compiled code or CUDA graphs, and packed linears on "
+                                 f"the CPU; it cannot be combined with {', '.join(clashes)}")
         timeout = self.grammar_compile_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ValueError(f"grammar_compile_timeout_s must be a number of seconds > 0, got {timeout!r}")

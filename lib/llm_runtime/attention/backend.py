@@ -48,6 +48,14 @@ class AttentionBackend(ABC):
         return None
 
     @classmethod
+    def batch_invariant(cls) -> "AttentionBackend":
+        """This backend set up so that a query row's output does not depend on the rest of its step (its keys
+        summed in one order, the same for a decode row and a prefill row at the same position): lesson 16.
+        ValueError where the backend has no such setting."""
+        raise ValueError(f"attention backend {cls.name!r} has no batch-invariant mode: it reduces a row in an order "
+                         f"that depends on its chunk or its batch")
+
+    @classmethod
     def supports_block_size(cls, block_size: int) -> str | None:
         """None when this backend reads pools of `block_size`-token blocks; otherwise why not."""
         return None

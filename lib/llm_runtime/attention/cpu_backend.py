@@ -74,9 +74,19 @@ class CpuKernelBackend(BlockwiseBackend):
     than `kernel_max_rows` rows block-wise (module docstring)."""
 
     name = "cpu"
-    kernel_max_rows = 512  # the longest chunk sent to the kernel (about where the two paths break even here)
-    EVERY_ROW = 2**62  # kernel_max_rows of a batch-invariant engine: every chunk to the kernel, however long
     reads_quantized_kv = True  # an 8-bit pool through `forward_quantized`, in place
+
+    def __init__(self, kernel_max_rows: int | None = 512, **blockwise: int) -> None:
+        """`kernel_max_rows`: the longest chunk sent to the kernel (512: about where the two paths break even
+        here); None sends every chunk, however long. `blockwise`: BlockwiseBackend's settings."""
+        super().__init__(**blockwise)
+        self.kernel_max_rows = 2**62 if kernel_max_rows is None else kernel_max_rows
+
+    @classmethod
+    def batch_invariant(cls) -> "CpuKernelBackend":
+        """Every row through the kernel, which walks a row's keys in chunks of 16 from the first whatever else
+        the step holds; long chunks too (block-wise, they would be tiled by the chunk's shape)."""
+        return cls(kernel_max_rows=None)
 
     @classmethod
     def is_available(cls, device: torch.device, dtype: torch.dtype) -> str | None:

@@ -6,7 +6,9 @@ backend that can run with this device, its compute capability, the dtype and the
 size: on CUDA, FlashAttention (sm80+, half precision, and blocks a multiple of 256 tokens, so never
 at the default 16) then this package's Triton kernels; on the CPU, this package's C kernel for
 decodes (float32 and bfloat16, where a C compiler builds it), else the block-wise PyTorch backend.
-A backend asked for by name that cannot run here raises ValueError with the reason.
+A backend asked for by name that cannot run here raises ValueError with the reason. A batch-invariant engine
+(lesson 16) gets the backend's `batch_invariant()` setup; "auto" then means the C kernel on the CPU and the
+Triton kernels on CUDA, the two that have one.
 `torch-gather` is never picked: it is the reference the others are tested against. Nor is `flex`:
 it compiles for the pool's size, and its CUDA path has not yet run on a GPU.
 """
@@ -31,6 +33,7 @@ _REGISTRY = {
     "flash-attn": ("flash", "FlashAttentionBackend"),
 }
 _AUTO_ORDER = {"cuda": ("flash-attn", "triton", "blockwise"), "cpu": ("cpu", "blockwise")}
+_INVARIANT_ORDER = {"cuda": ("triton",), "cpu": ("cpu",)}  # "auto" for a batch-invariant engine
 assert set(_REGISTRY) == set(ATTENTION_BACKENDS) - {"auto"}, "config.ATTENTION_BACKENDS and the registry disagree"
 
 
@@ -63,9 +66,11 @@ def select_backend(
     dtype: torch.dtype,
     environ: Mapping[str, str] | None = None,
     block_size: int = 16,
+    batch_invariant: bool = False,
 ) -> AttentionBackend:
     """The backend an engine runs: `requested` by name, or for "auto" the environment's choice, else
-    the first in this device's order that can run. A named backend that cannot run raises ValueError."""
+    the first in this device's order that can run. A named backend that cannot run raises ValueError.
+    `batch_invariant`: that backend's batch-invariant setup (ValueError where it has none)."""
     device = torch.device(device)
     name = requested
     if name == "auto" and environ is not None and environ.get(ATTENTION_BACKEND_ENV):
@@ -74,12 +79,17 @@ def select_backend(
             raise ValueError(f"{ATTENTION_BACKEND_ENV}={name!r} is not a backend; choose from "
                              f"{', '.join(ATTENTION_BACKENDS)}")
     if name == "auto":
-        for candidate in _AUTO_ORDER.get(device.type, ("blockwise",)):
-            if unavailable_reason(candidate, device, dtype, block_size) is None:
-                return backend_class(candidate)()
-        return backend_class("torch-gather")()
-    reason = unavailable_reason(name, device, dtype, block_size)
-    if reason is not None:
-        raise ValueError(f"attention backend {name!r} cannot run on {device.type} in {dtype} with blocks of "
-                         f"{block_size} tokens: {reason}")
-    return backend_class(name)()
+        order = (_INVARIANT_ORDER if batch_invariant else _AUTO_ORDER).get(device.type, ("blockwise",))
+        name = next((c for c in order if unavailable_reason(c, device, dtype, block_size) is None), None)
+        if name is None and batch_invariant:
+            reasons = "; ".join(f"{c}: {unavailable_reason(c, device, dtype, block_size)}" for c in order)
+            raise ValueError(f"no attention backend with a batch-invariant mode runs on {device.type} in {dtype} "
+                             f"({reasons or 'none for this device'})")
+        cls = backend_class(name or "torch-gather")
+    else:
+        reason = unavailable_reason(name, device, dtype, block_size)
+        if reason is not None:
+            raise ValueError(f"attention backend {name!r} cannot run on {device.type} in {dtype} with blocks of "
+                             f"{block_size} tokens: {reason}")
+        cls = backend_class(name)
+    return cls.batch_invariant() if batch_invariant else cls()

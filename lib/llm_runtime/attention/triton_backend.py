@@ -46,18 +46,30 @@ class TritonBackend(AttentionBackend):
     than the GPU's multiprocessors and whose longest context spans at least two partitions;
     "always" splits every decode-only step, "never" always runs the unified kernel (both for tests
     and measurements). `partition_size` is the keys per split-KV partition (a multiple of 32).
+    `block_m` fixes the unified kernel's rows per program (None: 16, or 64 when the step has long
+    chunks, chosen per step).
     """
 
     name = "triton"
     supports_cuda_graphs = True  # a captured plan keeps its kernel path; the kernels read lengths on the device
 
-    def __init__(self, split_kv: SplitKV = "auto", partition_size: int = 512) -> None:
+    def __init__(self, split_kv: SplitKV = "auto", partition_size: int = 512, block_m: int | None = None) -> None:
         if split_kv not in ("auto", "always", "never"):
             raise ValueError(f"split_kv must be 'auto', 'always' or 'never', got {split_kv!r}")
         if partition_size < 32 or partition_size % 32:
             raise ValueError(f"partition_size must be a positive multiple of 32, got {partition_size}")
+        if block_m is not None and (block_m < 16 or block_m & (block_m - 1)):
+            raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
         self.split_kv = split_kv
         self.partition_size = partition_size
+        self.block_m = block_m
+
+    @classmethod
+    def batch_invariant(cls) -> "TritonBackend":
+        """The unified kernel always (never split-KV, whose partition count follows the batch), with one tile
+        of query rows for every step: a row's keys are walked in steps of 32 from the first, with the same
+        compiled instructions, in a decode and in a prefill chunk alike."""
+        return cls(split_kv="never", block_m=16)
 
     @classmethod
     def is_available(cls, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -129,7 +141,7 @@ class TritonBackend(AttentionBackend):
                 num_splits=plan.num_splits, partition_size=plan.partition_size, scale=scale)
         return triton_kernels.unified_attention(
             query, key_pool, value_pool, plan.block_tables, plan.seq_lens, plan.query_start_loc,
-            max_query_len=plan.max_query_len, scale=scale)
+            max_query_len=plan.max_query_len, scale=scale, block_m=self.block_m)
 
 
 def _multiprocessor_count(device: torch.device) -> int:

@@ -297,8 +297,10 @@ def unified_attention(
     max_query_len: int,
     scale: float,
     block_n: int = DEFAULT_BLOCK_N,
+    block_m: int | None = None,
 ) -> torch.Tensor:
-    """Paged causal attention for a ragged batch, query (N, H, d) -> (N, H, d), in one launch."""
+    """Paged causal attention for a ragged batch, query (N, H, d) -> (N, H, d), in one launch. `block_m`: rows
+    per program, fixed (rounded up to a whole GQA group); None chooses it from `max_query_len`."""
     _check_attention_inputs(query, key_pool, value_pool, block_tables, seq_lens, query_start_loc)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_pool.shape[2]
@@ -311,7 +313,9 @@ def unified_attention(
     per_kv = num_heads // num_kv_heads
     # Rows per program: 16 at least (tl.dot's smallest tile), 64 when the batch has long chunks
     # (more queries per key tile loaded), and at least one whole GQA group.
-    block_m = max(16 if max_query_len * per_kv <= 16 else 64, triton.next_power_of_2(per_kv))
+    if block_m is None:
+        block_m = 16 if max_query_len * per_kv <= 16 else 64
+    block_m = max(block_m, triton.next_power_of_2(per_kv))
     block_q = block_m // per_kv  # query tokens per program
     # An upper bound on the tiles the batch needs (see _find_sequence); spare programs return at once.
     num_q_tiles = num_tokens // block_q + num_seqs

@@ -133,29 +133,24 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} cannot be scheduled with enable_chunked_prefill="
                              f"False and max_num_batched_tokens={config.max_num_batched_tokens}: a sequence must "
                              f"fit in one step (max_model_len <= max_num_batched_tokens + 1)")
+        block_size = config.block_size
+        # The environment variable is read here, once per engine: a user's or a lesson's override of "auto".
+        self.attention_backend = select_backend(config.attention_backend, model.device, model.dtype, os.environ,
+                                                  block_size, batch_invariant=config.batch_invariant)
+        logger.info("attention backend: %s", self.attention_backend.name)
+        # Batch invariance runs Triton kernels throughout where attention does (CUDA; the CPU's interpreter).
+        self._invariant_triton = config.batch_invariant and self.attention_backend.name == "triton"
         if config.batch_invariant:
-            reason = batch_invariant_unsupported_reason(model)
+            reason = batch_invariant_unsupported_reason(model, triton=self._invariant_triton)
             if reason is not None:
                 raise ValueError(reason)
         self._pack_linears(owns_model)  # before the KV budget, which counts the weights as they end up
         if config.batch_invariant:
-            make_batch_invariant_(model)
+            make_batch_invariant_(model, triton=self._invariant_triton)
         self._compile_pointwise(owns_model)
         self.draft_model = self._draft_model(draft_model)  # its weights and its KV pool count in the budget too
         if model.device.type == "cpu":
             keep_freed_host_memory()  # a step's temporaries reuse memory instead of page-faulting (host_memory.py)
-        block_size = config.block_size
-        # The environment variable is read here, once per engine: a user's or a lesson's override of "auto".
-        self.attention_backend = select_backend(config.attention_backend, model.device, model.dtype, os.environ,
-                                                  block_size)
-        logger.info("attention backend: %s", self.attention_backend.name)
-        if config.batch_invariant:
-            if self.attention_backend.name != "cpu":
-                raise ValueError(f"batch_invariant=True attends with the cpu backend's C kernel, not "
-                                 f"{self.attention_backend.name!r}: {self.attention_backend.name} reduces a row in an "
-                                 f"order that depends on its chunk")
-            backend = self.attention_backend
-            backend.kernel_max_rows = backend.EVERY_ROW  # type: ignore[attr-defined]  # prefill rows as decode rows
         wants_graphs = self._wants_graphs()
         num_blocks = self._num_kv_blocks(config.max_model_len or limit, graphs=wants_graphs)
         if config.max_model_len is not None and config.max_model_len > num_blocks * block_size:
@@ -201,6 +196,11 @@ class LLMEngine:
         (the default) and the engine owns the model and packing applies here."""
         wanted = self.config.prepack_weights
         reason = packing_unsupported_reason(self.model)
+        if self._invariant_triton:  # the invariant Triton matrix multiply replaces the model's nn.Linear modules
+            if wanted:
+                raise ValueError("prepack_weights=True, but batch_invariant=True with Triton attention multiplies "
+                                 "by Triton kernels, not packed weights")
+            return
         if wanted is None:
             wanted = (owns_model or self.config.batch_invariant) and reason is None
         if not wanted:
@@ -279,10 +279,10 @@ class LLMEngine:
     def _wants_compiled_forward(self, owns_model: bool) -> bool:
         """Whether steps run as one compiled forward pass (compiled_forward.py): when the config says True, or
         says None and the engine owns a CPU model whose attention backend allows it; never with enforce_eager."""
-        wanted = self.config.compile_model
-        reason = compiled_forward_unavailable_reason(self.attention_backend, self.config.kv_cache_dtype)
         if self.config.batch_invariant:
             return False  # the config refuses compile_model=True with it
+        wanted = self.config.compile_model
+        reason = compiled_forward_unavailable_reason(self.attention_backend, self.config.kv_cache_dtype)
         if wanted is None:
             return (owns_model and self.model.device.type == "cpu" and reason is None and not self.config.enforce_eager
                     and self.config.compile_pointwise is not True)
@@ -303,6 +303,8 @@ class LLMEngine:
     def _wants_graphs(self) -> bool:
         """Whether decode steps will be captured in CUDA graphs (cuda_graphs.py): when the config says True,
         or says None and this device and attention backend allow it; never with enforce_eager."""
+        if self.config.batch_invariant:
+            return False  # the config refuses cuda_graphs=True with it (not yet run on a GPU in this mode)
         wanted = self.config.cuda_graphs
         reason = graphs_unavailable_reason(self.model.device, self.attention_backend)
         if reason is None and self.config.kv_cache_dtype != "auto":

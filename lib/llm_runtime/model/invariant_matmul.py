@@ -26,6 +26,7 @@ import contextlib
 import torch
 import triton
 import triton.language as tl
+from torch import nn
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64  # fixed: the order of every row's sums depends on BLOCK_K alone
 
@@ -80,3 +81,30 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                 DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return y.reshape(*x.shape[:-1], out_features)
+
+
+class InvariantLinear(nn.Module):
+    """An nn.Linear's y = x W^T + b through `invariant_linear`. It holds the linear's own parameters (a weight
+    tied to the embedding stays tied), so the state dict is the linear's."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return invariant_linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def make_linears_invariant_(model: nn.Module) -> int:
+    """Every nn.Linear of `model` replaced by an InvariantLinear over the same parameters (in place); returns how
+    many."""
+    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if type(child) is nn.Linear]
+    for parent, name, child in targets:
+        setattr(parent, name, InvariantLinear(child))
+    return len(targets)

@@ -96,18 +96,14 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # (..., in) -> (M, in)
-        if self.single_row_as_two and rows.shape[0] == 1:
-            return self._as_two_rows(rows).reshape(*x.shape[:-1], self.out_features)
+        lone = self.single_row_as_two and rows.shape[0] == 1
+        if lone:  # batch invariance: the kernel oneDNN runs for two rows or more, and the first result kept
+            rows = rows.expand(2, -1).contiguous()  # (1, in) -> (2, in): the row twice
         if torch.compiler.is_compiling():  # traced: the operator (eager, its dispatch would cost 5-10 us a call)
             out = packed_linear(rows, self.packed_weight, self.bias)  # (M, out)
         else:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-    def _as_two_rows(self, row: torch.Tensor) -> torch.Tensor:
-        """(1, in) -> (1, out), through the kernel oneDNN runs for two or more rows."""
-        two = row.expand(2, -1).contiguous()  # (2, in): the row twice
-        return torch.ops.mkldnn._linear_pointwise(two, self.packed_weight, self.bias, "none", [], "")[:1]
+        return (out[:1] if lone else out).reshape(*x.shape[:-1], self.out_features)
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
