@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--tensor-parallel-size", type=int, default=1,
+                     help="split the model over this many ranks (worker processes; lesson 17)")
     from .bench.cli import add_arguments, speculative_config
 
     add_arguments(commands.add_parser("bench", help="benchmark the engine against transformers"))
@@ -66,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--enforce-eager", action="store_true", help="no torch.compile, no CUDA graphs")
     srv.add_argument("--batch-invariant", action="store_true",
                      help="a request's logits bitwise the same whatever runs beside it (the CPU; lesson 16)")
+    srv.add_argument("--tensor-parallel-size", type=int, default=1,
+                     help="split the model over this many ranks (worker processes; gloo on the CPU; lesson 17)")
     srv.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
                      help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     srv.add_argument("--check-invariants", action="store_true", help="check the scheduler's books every step")
@@ -92,16 +96,16 @@ def main(argv: list[str] | None = None) -> int:
 
         # Before anything runs oneDNN: a server's step sizes never stop changing (host_memory.py).
         bound_shape_caches(os.environ, args.shape_cache_capacity)
-        from . import LLMEngine, load_model
+        from . import LLMEngine
         from .config import EngineConfig
         from .model import BUNDLED_MODEL_NAME
         from .serving.async_engine import step_thread
         from .serving.server import serve
 
         def build() -> LLMEngine:
-            model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype,
-                                          quantization=args.quantization)
-            return LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=args.max_num_seqs,
+            return LLMEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
+                                             quantization=args.quantization,
+                                             config=EngineConfig(max_num_seqs=args.max_num_seqs,
                                                             max_model_len=args.max_model_len,
                                                             gpu_memory_utilization=args.gpu_memory_utilization,
                                                             kv_cache_memory=args.kv_cache_memory,
@@ -109,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                                                             check_invariants=args.check_invariants,
                                                             enforce_eager=args.enforce_eager,
                                                             batch_invariant=args.batch_invariant,
-                                                            speculative_config=args.speculative_config),
-                             owns_model=True)
+                                                            tensor_parallel_size=args.tensor_parallel_size,
+                                                            speculative_config=args.speculative_config))
 
         # Built on the thread that will run its steps: PyTorch's CPU threads stay one team (async_engine.py).
         executor = step_thread()
@@ -125,18 +129,28 @@ def main(argv: list[str] | None = None) -> int:
         serve(engine, name, args.host, args.port, args.max_waiting_requests, args.max_request_bytes, executor)
         return 0
 
-    from . import SamplingParams, encode_chat, generate, load_model
+    from . import LLM, SamplingParams, encode_chat, generate, load_model
 
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype,
+        if args.tensor_parallel_size > 1:  # the engine: it drives the ranks
+            llm = LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+                      tensor_parallel_size=args.tensor_parallel_size)
+            model, tokenizer = llm.model, llm.get_tokenizer()
+        else:
+            llm = None
+            model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype,
                                           quantization=args.quantization)
-    except ValueError as error:
+    except (ValueError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     prompt = encode_chat(tokenizer, [{"role": "user", "content": args.message}])
     start = time.perf_counter()
-    tokens = generate(model, prompt, params)
+    if llm is not None:
+        with llm:
+            tokens = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+    else:
+        tokens = generate(model, prompt, params)
     elapsed = time.perf_counter() - start
     print(tokenizer.decode(tokens, skip_special_tokens=True), flush=True)
     print(f"[{len(tokens)} tokens in {elapsed:.2f} s on {model.device}, {model.dtype}]", file=sys.stderr)

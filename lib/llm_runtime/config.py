@@ -266,6 +266,10 @@ class EngineConfig:
     # kernel; on CUDA: Triton kernels with fixed reduction orders for the linears, RMSNorm and attention. No
     # torch.compile and no CUDA graphs either way.
     batch_invariant: bool = False
+    # Tensor parallelism (distributed/, lesson 17): the model's layers split over this many ranks, rank 0 this
+    # process (scheduler, block manager, sampler), the others worker processes the engine starts; gloo on the
+    # CPU, NCCL on CUDA (one GPU per rank). Not yet with the compiled forward, CUDA graphs or an 8-bit KV cache.
+    tensor_parallel_size: int = 1
     # Limits on what one request may ask for (the input processor refuses more, naming the field).
     max_logprobs: int = 20  # top logprobs per token (`logprobs`, `prompt_logprobs`), as vLLM's default
     max_num_stop_strings: int = 16  # stop strings per request
@@ -301,6 +305,16 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+        if size > 1:
+            clashes = [name for name, value in (("compile_model", self.compile_model),
+                                                ("cuda_graphs", self.cuda_graphs)) if value]
+            if self.kv_cache_dtype != "auto":
+                clashes.append(f"kv_cache_dtype={self.kv_cache_dtype!r}")
+            if clashes:
+                raise ValueError(f"tensor_parallel_size={size} does not run yet with {', '.join(clashes)}")
         if self.batch_invariant:
             clashes = [name for name, value in (("compile_model", self.compile_model),
                                                 ("compile_pointwise", self.compile_pointwise),

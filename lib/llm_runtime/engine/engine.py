@@ -24,6 +24,7 @@ import warnings
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -32,8 +33,10 @@ from ..attention.kv_cache import PagedKVCache, kv_block_bytes
 from ..attention.kv_quant import KVScales
 from ..attention.selector import select_backend, unavailable_reason
 from ..config import EngineConfig
+from ..distributed.sharding import shard_model_, tensor_parallel_unsupported_reason
+from ..distributed.workers import ShardSettings, ShardWorkers, WorkerSpec, start_shard_workers
 from ..errors import EngineDeadError, InvalidRequestError, is_device_fault
-from ..model import CausalLM
+from ..model import CausalLM, load_model
 from ..model.pointwise import EAGER_OPS, compiled_ops, pointwise_ops_of, set_pointwise_ops_
 from ..model.batch_invariant import batch_invariant_unsupported_reason, make_batch_invariant_
 from ..model.packed_linear import is_packed, pack_linears_, packing_unsupported_reason
@@ -116,11 +119,13 @@ class LLMEngine:
     """Holds the KV pool, the scheduler, the model runner and every live request."""
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer | None, config: EngineConfig | None = None, *,
-                 owns_model: bool = False, draft_model: CausalLM | None = None) -> None:
+                 owns_model: bool = False, draft_model: CausalLM | None = None,
+                 workers: ShardWorkers | None = None) -> None:
         """`owns_model`: the caller loaded `model` for this engine alone (`LLM(...)`, `serve`), so the engine
         may change it in place (`prepack_weights`); a model passed in from outside is left as it is unless
         the config asks. `draft_model`: an already loaded draft for a "draft" `speculative_config` (else the
-        engine loads the one the config names)."""
+        engine loads the one the config names). `workers`: the other ranks of a tensor_parallel_size > 1 engine,
+        when `model` is already rank 0's shard of their group (LLM(...) starts them; else the engine does)."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
@@ -140,6 +145,7 @@ class LLMEngine:
         logger.info("attention backend: %s", self.attention_backend.name)
         # Batch invariance runs Triton kernels throughout where attention does (CUDA; the CPU's interpreter).
         self._invariant_triton = config.batch_invariant and self.attention_backend.name == "triton"
+        self.workers = self._tensor_parallel_workers(workers)  # before packing: the model is sharded first
         if config.batch_invariant:
             reason = batch_invariant_unsupported_reason(model, triton=self._invariant_triton)
             if reason is not None:
@@ -173,6 +179,10 @@ class LLMEngine:
         self.profile = StepProfile()  # where step time goes (lesson 09, bench)
         self.model_runner = ModelRunner(model, Sampler(seed=config.seed, device=model.device), self.kv_cache,
                                         self.profile, self.attention_backend)
+        if self.workers is not None:
+            self.workers.configure(ShardSettings(num_blocks, block_size, config.kv_cache_dtype,
+                                                 self.attention_backend.name, is_packed(model)))
+            self.model_runner.channel = self.workers.channel
         if wants_graphs:
             self._capture_graphs()
         if self._wants_compiled_forward(owns_model):
@@ -190,6 +200,56 @@ class LLMEngine:
         self.dead_reason: BaseException | None = None  # the device fault that killed the engine, if one did
         self._num_steps = 0
         self._num_idle_steps = 0  # consecutive steps that scheduled nothing while requests were left
+
+    @classmethod
+    def from_pretrained(cls, model: str | Path | None = None, *, device: str | torch.device = "auto",
+                        dtype: str | torch.dtype = "auto", quantization: str | None = None,
+                        config: EngineConfig | None = None) -> "LLMEngine":
+        """An engine with a model of its own, loaded by `load_model` (`owns_model`): with tensor_parallel_size > 1,
+        the workers are started first and every rank, this one included, reads only its own shard."""
+        config = config or EngineConfig()
+        workers = None
+        if config.tensor_parallel_size > 1:
+            workers = start_shard_workers(model, config.tensor_parallel_size, device=device, dtype=dtype,
+                                          quantization=quantization)
+        try:
+            loaded, tokenizer = load_model(model, device=device, dtype=dtype, quantization=quantization,
+                                           tensor_parallel=workers.tp if workers is not None else None)
+            return cls(loaded, tokenizer, config, owns_model=True, workers=workers)
+        except BaseException:
+            if workers is not None:
+                workers.close()
+            raise
+
+    def _tensor_parallel_workers(self, workers: ShardWorkers | None) -> ShardWorkers | None:
+        """The other ranks of a tensor_parallel_size > 1 engine: the ones given (LLM(...) started them and loaded
+        this rank's shard), else started here from the model's name, this rank's shard cut from the model given
+        (in place: it becomes rank 0's shard)."""
+        size, model = self.config.tensor_parallel_size, self.model
+        if size == 1:
+            if workers is not None:
+                raise ValueError("workers are for tensor_parallel_size > 1")
+            return None
+        if workers is None:
+            reason = tensor_parallel_unsupported_reason(model.config, size)
+            if reason is not None:
+                raise ValueError(reason)
+            if model.source is None:
+                raise ValueError("tensor_parallel_size > 1 starts workers that load the model by its name, and "
+                                 "this model has none: load it with load_model(...) or LLM(...)")
+            if model.tp is not None:
+                raise ValueError("this model is already a shard: pass the workers that hold the other shards")
+            spec = WorkerSpec(model.source or None, model.device.type, str(model.dtype).removeprefix("torch."))
+            workers = ShardWorkers.start(spec, size)
+            try:
+                shard_model_(model, workers.tp)
+            except BaseException:
+                workers.close()
+                raise
+        if model.tp is None or model.tp.size != size or model.tp is not workers.tp:
+            workers.close()
+            raise ValueError(f"the model is not rank 0's shard of the workers' group of {size}")
+        return workers
 
     def _pack_linears(self, owns_model: bool) -> None:
         """Repack the model's linear weights for oneDNN, in place: when the config says True, or says None
@@ -279,8 +339,8 @@ class LLMEngine:
     def _wants_compiled_forward(self, owns_model: bool) -> bool:
         """Whether steps run as one compiled forward pass (compiled_forward.py): when the config says True, or
         says None and the engine owns a CPU model whose attention backend allows it; never with enforce_eager."""
-        if self.config.batch_invariant:
-            return False  # the config refuses compile_model=True with it
+        if self.config.batch_invariant or self.config.tensor_parallel_size > 1:
+            return False  # the config refuses compile_model=True with either
         wanted = self.config.compile_model
         reason = compiled_forward_unavailable_reason(self.attention_backend, self.config.kv_cache_dtype)
         if wanted is None:
@@ -303,8 +363,8 @@ class LLMEngine:
     def _wants_graphs(self) -> bool:
         """Whether decode steps will be captured in CUDA graphs (cuda_graphs.py): when the config says True,
         or says None and this device and attention backend allow it; never with enforce_eager."""
-        if self.config.batch_invariant:
-            return False  # the config refuses cuda_graphs=True with it (not yet run on a GPU in this mode)
+        if self.config.batch_invariant or self.config.tensor_parallel_size > 1:
+            return False  # the config refuses cuda_graphs=True with either (not yet run on a GPU that way)
         wanted = self.config.cuda_graphs
         reason = graphs_unavailable_reason(self.model.device, self.attention_backend)
         if reason is None and self.config.kv_cache_dtype != "auto":
@@ -379,6 +439,8 @@ class LLMEngine:
             self.model_runner.graphs.close()  # they point into the pool
             self.model_runner.graphs = None
         self.kv_cache.release()
+        if self.workers is not None:
+            self.workers.close()
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.release()
         CPU_DEVICE.release(self)
@@ -596,8 +658,10 @@ class LLMEngine:
         try:
             return self.model_runner.run(batch)
         except Exception as error:
-            if is_device_fault(error):
-                self._die(error)
+            if is_device_fault(error) or self.workers is not None:
+                # Sharded, a failed step leaves the ranks at different points of it: none can be retried.
+                self._die(error if self.workers is None or self.workers.check() is None
+                          else RuntimeError(self.workers.check()))
             logger.exception("a step of %d requests failed; retrying them one at a time", len(batch.request_ids))
         result = ModelRunnerOutput()
         for part in batch.split_by_request():

@@ -49,6 +49,7 @@ class ModelInput:
     logits_indices: torch.Tensor
     sampling_items: tuple[int, ...]  # which of the batch's items sample, in row order
     query_start_host: tuple[int, ...]  # (B + 1,) where each item's rows start, on the host
+    layout: "StepLayout | None" = None  # where each tensor lies in the buffer they are views of
 
     @property
     def num_tokens(self) -> int:
@@ -166,19 +167,48 @@ class InputBuffers:
         if device is not buffer.tensor:  # one copy to the device for the whole step
             device[: bounds[-1]].copy_(buffer.tensor[: bounds[-1]], non_blocking=True)
             buffer.copied = self._record_copy()
-        views = [device[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-        metadata = AttentionMetadata(
-            block_size=self.block_size,
-            query_start_loc=views[4].to(torch.int32),
-            seq_lens=views[5].to(torch.int32),
-            block_tables=views[6].view(num_seqs, width).to(torch.int32),
-            slot_mapping=views[2],
-            query_lens_host=tuple(counts.tolist()),
-            seq_lens_host=tuple(seq_lens.tolist()),
-            block_tables_host=tuple(tuple(item.block_table) for item in items),
-        )
-        return ModelInput(input_ids=views[0][None], positions=views[1][None], metadata=metadata,
-                          logits_indices=views[3], sampling_items=sampling, query_start_host=tuple(offsets.tolist()))
+        layout = StepLayout(num_tokens, num_sampling, num_seqs, width)
+        return assemble_model_input(device, host, layout, self.block_size,
+                                    tuple(tuple(item.block_table) for item in items), sampling)
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """The sizes of a step's segments in the int64 buffer, in order: ids, positions, slots (N each), logits rows
+    (R), offsets (B + 1), lengths (B), block tables (B x width). With them another rank reads the same buffer
+    (tensor parallelism, distributed/step_channel.py)."""
+
+    num_tokens: int
+    num_sampling: int
+    num_seqs: int
+    width: int
+
+    @property
+    def bounds(self) -> list[int]:
+        n, b = self.num_tokens, self.num_seqs
+        return np.cumsum([0, n, n, n, self.num_sampling, b + 1, b, b * self.width]).tolist()
+
+
+def assemble_model_input(device_buffer: torch.Tensor, host_buffer: np.ndarray, layout: StepLayout, block_size: int,
+                         block_tables_host: tuple[tuple[int, ...], ...], sampling: tuple[int, ...]) -> ModelInput:
+    """The ModelInput whose tensors are views of a buffer written as `layout` says (on the device), with the host
+    shapes read from the same contents on the host (`host_buffer`: nothing waits for the device)."""
+    bounds = layout.bounds
+    views = [device_buffer[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    offsets = host_buffer[bounds[4] : bounds[5]].tolist()
+    seq_lens = host_buffer[bounds[5] : bounds[6]].tolist()
+    metadata = AttentionMetadata(
+        block_size=block_size,
+        query_start_loc=views[4].to(torch.int32),
+        seq_lens=views[5].to(torch.int32),
+        block_tables=views[6].view(layout.num_seqs, layout.width).to(torch.int32),
+        slot_mapping=views[2],
+        query_lens_host=tuple(b - a for a, b in zip(offsets[:-1], offsets[1:])),
+        seq_lens_host=tuple(seq_lens),
+        block_tables_host=block_tables_host,
+    )
+    return ModelInput(input_ids=views[0][None], positions=views[1][None], metadata=metadata,
+                      logits_indices=views[3], sampling_items=sampling, query_start_host=tuple(offsets), layout=layout)
 
 
 def _last_rows(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:

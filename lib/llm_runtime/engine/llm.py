@@ -38,8 +38,9 @@ class LLM:
     ) -> None:
         """`model`: None (bundled), a folder or a hub id; `quantization`: None, "int8", "int4" or "gguf"
         (`load_model`, lesson 13); `engine_options`: EngineConfig fields."""
-        loaded, tokenizer = load_model(model, device=device, dtype=dtype, quantization=quantization)
-        self._init(loaded, tokenizer, EngineConfig(**engine_options), owns_model=True)  # type: ignore[arg-type]
+        engine = LLMEngine.from_pretrained(model, device=device, dtype=dtype, quantization=quantization,
+                                           config=EngineConfig(**engine_options))  # type: ignore[arg-type]
+        self.model, self.tokenizer, self.llm_engine, self._next_id = engine.model, engine.tokenizer, engine, 0
 
     @classmethod
     def from_model(cls, model: CausalLM, tokenizer: Tokenizer | None, *, owns_model: bool = False,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,12 +39,15 @@ from ..sampling.rejection import RejectionSampler
 from ..structured_output import allocate_bitmask, apply_bitmask
 from .compiled_forward import CompiledForward
 from .cuda_graphs import DecodeGraphs
-from .input_batch import InputBuffers
+from .input_batch import InputBuffers, ModelInput
 from .outputs import Logprobs
 from .scheduler import ScheduledBatch, ScheduledSequence
 from .sequence import Sequence, sample_sequences, verify_drafts
 
-_PROMPT_LOGPROB_ROWS = 256  # prompt positions turned into logits at once (each row is vocab-sized)
+if TYPE_CHECKING:
+    from ..distributed.step_channel import StepChannel
+
+PROMPT_LOGPROB_ROWS = 256  # prompt positions turned into logits at once (each row is vocab-sized)
 
 
 @dataclass
@@ -105,6 +109,8 @@ class ModelRunner:
         self.inputs = InputBuffers(model.device, kv_cache.block_size)
         self.graphs: DecodeGraphs | None = None  # set by the engine when it captures decode steps
         self.compiled: CompiledForward | None = None  # set by the engine when it compiles the forward pass
+        # Set by a tensor-parallel engine (lesson 17): each step's inputs go to the other ranks, which compute it too.
+        self.channel: StepChannel | None = None
 
     @torch.inference_mode()
     def capture_graphs(self, graphs: DecodeGraphs) -> None:
@@ -118,6 +124,8 @@ class ModelRunner:
         started = time.perf_counter()
         self.kv_cache.copy_blocks(batch.block_copies)  # copy-on-write, before anyone writes this step
         model_input = self.inputs.prepare(batch)  # persistent buffers, one copy to the device (input_batch.py)
+        if self.channel is not None:
+            self._send_step(batch, model_input)
         if self.graphs is not None and self.graphs.can_run(model_input):
             prepared = time.perf_counter()
             self.profile.prepare += prepared - started
@@ -149,6 +157,14 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[0, model_input.logits_indices])  # (R, vocab)
         self.profile.forward += time.perf_counter() - prepared
         return self._sample(batch, sampling, logits, output)
+
+    def _send_step(self, batch: ScheduledBatch, model_input: ModelInput) -> None:
+        """The step to the other ranks: its buffer, and which logits it computes, in the order this rank will."""
+        assert self.channel is not None and model_input.layout is not None
+        prompt_rows = [(offset, self._prompt_rows(item)) for item, offset in zip(batch.items, model_input.query_start_host)
+                       if item.is_prefill and item.seq.params.prompt_logprobs is not None]
+        self.channel.send_step(model_input.layout, self.inputs.host, model_input.metadata.block_tables_host,
+                               batch.block_copies, prompt_rows, samples=bool(model_input.sampling_items))
 
     def _sample(self, batch: ScheduledBatch, sampling: tuple[int, ...], logits: torch.Tensor,
                 output: ModelRunnerOutput) -> ModelRunnerOutput:
@@ -220,15 +236,21 @@ class ModelRunner:
         of rows so a long chunk never holds (chunk, vocab) logits at once."""
         seq, k = item.seq, item.seq.params.prompt_logprobs
         assert k is not None
-        num_rows = min(item.start + item.num_new_tokens, seq.num_prompt_tokens - 1) - item.start
+        num_rows = self._prompt_rows(item)
         targets = torch.tensor(seq.prompt_token_ids[item.start + 1 : item.start + 1 + num_rows],
                                device=hidden.device)
         entries: list[Logprobs] = []
-        for begin in range(0, num_rows, _PROMPT_LOGPROB_ROWS):
-            end = min(begin + _PROMPT_LOGPROB_ROWS, num_rows)
+        for begin in range(0, num_rows, PROMPT_LOGPROB_ROWS):
+            end = min(begin + PROMPT_LOGPROB_ROWS, num_rows)
             entries += _logprob_entries(self.model.compute_logits(hidden[begin:end]), targets[begin:end].tolist(), k)
         if entries:
             output.prompt_logprobs.append((seq, item.start, entries))
+
+
+    @staticmethod
+    def _prompt_rows(item: ScheduledSequence) -> int:
+        """How many of a prefill chunk's positions predict a prompt token (the last prompt token predicts none)."""
+        return max(0, min(item.start + item.num_new_tokens, item.seq.num_prompt_tokens - 1) - item.start)
 
 
 def _logprob_entries(logits: torch.Tensor, tokens: list[int], k: int) -> list[Logprobs]:

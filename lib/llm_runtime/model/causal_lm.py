@@ -6,6 +6,8 @@ vLLM: generation only needs the last position's logits, and the vocabulary proje
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -13,6 +15,9 @@ from ..config import ModelConfig
 from ..attention.kv_cache import ContiguousKVCache, KVCache
 from .layers import DecoderLayer, RMSNorm
 from .rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from ..distributed.group import TensorParallelGroup
 
 
 class Model(nn.Module):
@@ -39,6 +44,8 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Sharded (distributed/sharding.py): this rank's slice of the vocabulary, gathered on rank 0.
+        self.tp: TensorParallelGroup | None = None
 
     @property
     def device(self) -> torch.device:
@@ -76,8 +83,12 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """(..., hidden) -> (..., vocab_size)."""
-        return self.lm_head(hidden_states)
+        """(..., hidden) -> (..., vocab_size). Sharded, rank 0 gets the whole vocabulary's logits; the other
+        ranks get their own slice's (and have no use for them)."""
+        logits = self.lm_head(hidden_states)
+        if self.tp is None:
+            return logits
+        return self.tp.gather_to_first(logits)[..., : self.config.vocab_size]  # padded columns dropped
 
     def new_kv_cache(self, batch_size: int, max_seq_len: int) -> ContiguousKVCache:
         """A contiguous cache for this model, on its device and in its dtype."""

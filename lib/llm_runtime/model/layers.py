@@ -2,9 +2,14 @@
 
 Parameter names match Hugging Face checkpoints (`self_attn.q_proj`, `mlp.gate_proj`, ...), so a
 checkpoint's state dict loads without renaming.
+
+Sharded over ranks (distributed/sharding.py, lesson 17), a layer holds its rank's heads and its slice of the MLP,
+and `tp` is set: the attention and the MLP each end with one all-reduce of their row-parallel projection.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -13,6 +18,9 @@ from ..attention.causal import causal_attention
 from ..config import ModelConfig
 from ..attention.kv_cache import KVCache
 from .pointwise import EAGER_OPS
+
+if TYPE_CHECKING:
+    from ..distributed.group import TensorParallelGroup
 
 
 class RMSNorm(nn.Module):
@@ -42,13 +50,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
         self.gate_up_proj: nn.Module | None = None  # gate and up as one, once packed
         self.ops = EAGER_OPS
+        self.tp: TensorParallelGroup | None = None  # sharded: down's partial sums are added over the ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (..., 2 * inner) -> two (..., inner)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(self.ops.silu_and_mul(gate, up))
+        out = self.down_proj(self.ops.silu_and_mul(gate, up))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class Attention(nn.Module):
@@ -70,6 +80,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.qkv_proj: nn.Module | None = None  # q, k and v as one, once packed
         self.ops = EAGER_OPS
+        self.tp: TensorParallelGroup | None = None  # sharded: o's partial sums are added over the ranks
 
     def forward(
         self,
@@ -97,7 +108,8 @@ class Attention(nn.Module):
         else:
             out = kv_cache.attend(self.layer_idx, q, k, v)  # stores k, v and attends over all cached
         out = out.transpose(1, 2).reshape(batch, num_new, self.num_heads * self.head_dim)  # (B, T, H*d)
-        return self.o_proj(out)
+        out = self.o_proj(out)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):

@@ -10,18 +10,23 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
 from ..config import ModelConfig
 from ..device import device_profile, resolve_device, resolve_dtype
+from ..distributed.sharding import Shard, plan_shards, shard_model_
 from .tokenizer import Tokenizer, load_tokenizer
 from .bundled import find_bundled_gguf, prepare_bundled_model
 from .causal_lm import CausalLM
 from .gguf import load_gguf_embedding_, load_gguf_linears_
 from .quantized_linear import QUANTIZATIONS, quantize_linears_
 from .rope import inverse_frequencies
+
+if TYPE_CHECKING:
+    from ..distributed.group import TensorParallelGroup
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
@@ -39,28 +44,50 @@ def load_model(
     cache_dir: str | Path | None = None,
     quantization: str | None = None,
     group_size: int | None = None,
+    tensor_parallel: TensorParallelGroup | None = None,
 ) -> tuple[CausalLM, Tokenizer]:
     """Load (model, tokenizer): None = bundled SmolLM2-135M-Instruct, else a local folder or a hub id.
 
     `quantization` (lesson 13): "int8" (per output channel; with `group_size=32`, in groups of 32 input
     columns with a zero) or "int4" (groups of `group_size` input columns, default 32) quantizes the linear
     layers at load time; "gguf" runs the bundled model's own Q4_1 blocks as
-    int4 and keeps its Q8_0 embedding (tied to the head) as int8. A quantized model computes in bfloat16 unless `dtype` says float32 (the kernels' fast path)."""
+    int4 and keeps its Q8_0 embedding (tied to the head) as int8. A quantized model computes in bfloat16 unless `dtype` says float32 (the kernels' fast path).
+    `tensor_parallel` (lesson 17): load that rank's shard only (int8 and int4 quantize the shard's layers)."""
+    model = load_model_weights(name_or_path, device=device, dtype=dtype, cache_dir=cache_dir,
+                               quantization=quantization, group_size=group_size, tensor_parallel=tensor_parallel)
+    return model, load_tokenizer(resolve_model_folder(name_or_path, cache_dir))
+
+
+def load_model_weights(
+    name_or_path: str | Path | None = None,
+    *,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype = "auto",
+    cache_dir: str | Path | None = None,
+    quantization: str | None = None,
+    group_size: int | None = None,
+    tensor_parallel: TensorParallelGroup | None = None,
+) -> CausalLM:
+    """`load_model`'s model without its tokenizer (what a tensor-parallel worker needs)."""
     resolved_device = resolve_device(device)
     if quantization == "gguf" and name_or_path is not None:
         raise ValueError("quantization='gguf' loads the bundled model's own GGUF blocks; pass no model name")
     resolved_dtype, reason = _load_dtype(resolved_device, dtype, quantization)
     if reason is not None:
         raise ValueError(reason)
+    sharded = tensor_parallel is not None and tensor_parallel.size > 1
+    if quantization == "gguf" and sharded:
+        raise ValueError("quantization='gguf' loads the GGUF's blocks whole and does not shard them over ranks; "
+                         "use quantization='int4' (the same group size, quantized per shard) or none")
     folder = resolve_model_folder(name_or_path, cache_dir)
-    model = load_checkpoint(folder, device=resolved_device, dtype=resolved_dtype)
+    model = load_checkpoint(folder, device=resolved_device, dtype=resolved_dtype, tensor_parallel=tensor_parallel)
     if quantization == "gguf":
         load_gguf_linears_(model, find_bundled_gguf(), dtype=resolved_dtype)
         load_gguf_embedding_(model, find_bundled_gguf(), dtype=resolved_dtype)
     elif quantization is not None:
         quantize_linears_(model, quantization, group_size=group_size, dtype=resolved_dtype)
     model.source = "" if name_or_path is None else str(name_or_path)
-    return model, load_tokenizer(folder)
+    return model
 
 
 def load_reason(device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
@@ -128,8 +155,11 @@ def read_model_config(folder: str | Path) -> ModelConfig:
         raise ModelLoadError(f"{str(config_path)!r}: {error}") from error
 
 
-def load_checkpoint(folder: str | Path, *, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    """Build a CausalLM from a Hugging Face folder, placing each weight straight on `device` in `dtype`."""
+def load_checkpoint(folder: str | Path, *, device: torch.device, dtype: torch.dtype,
+                    tensor_parallel: TensorParallelGroup | None = None) -> CausalLM:
+    """Build a CausalLM from a Hugging Face folder, placing each weight straight on `device` in `dtype`. With
+    `tensor_parallel`, the model is that rank's shard (distributed/sharding.py), and only the shard's rows or
+    columns of each tensor are read from the files."""
     folder = Path(folder)
     config = read_model_config(folder)
     weight_files = sorted(folder.glob("*.safetensors"))
@@ -140,13 +170,18 @@ def load_checkpoint(folder: str | Path, *, device: torch.device, dtype: torch.dt
     # Build the skeleton without allocating or initialising weights, then adopt the checkpoint's.
     with torch.device("meta"):
         model = CausalLM(config)
+    shards: dict[str, Shard] = {}
+    if tensor_parallel is not None and tensor_parallel.size > 1:
+        shards = plan_shards(config, tensor_parallel.rank, tensor_parallel.size)
+        shard_model_(model, tensor_parallel)  # the rank's shapes, still on the meta device
     expected = set(model.state_dict())
     state: dict[str, torch.Tensor] = {}
     for file in weight_files:
         with safe_open(str(file), framework="pt", device="cpu") as reader:
             for key in reader.keys():
                 if key in expected:
-                    state[key] = reader.get_tensor(key).to(device=device, dtype=dtype)
+                    tensor = shards[key].read(reader.get_slice(key)) if key in shards else reader.get_tensor(key)
+                    state[key] = tensor.to(device=device, dtype=dtype)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
         expected.discard("lm_head.weight")

@@ -1,0 +1,118 @@
+"""The tensor-parallel process group: which rank this process is, and the two collectives a sharded model needs.
+
+A sharded layer (sharding.py) computes a partial result on every rank; the ranks then either sum their partials
+(`all_reduce`: after the row-parallel o and down projections, and the vocabulary-parallel embedding) or put their
+slices side by side where the sampler runs (`gather_to_first`: the logits of the vocabulary-parallel head).
+Both go through torch.distributed: gloo between CPU processes, NCCL between GPUs. The group counts the bytes it
+moves, so lesson 17 can set them against the arithmetic (2 all-reduces per layer x hidden size x bytes per token).
+
+`init_tensor_parallel` joins the process group at a TCP store: an explicit address (the engine's workers on one
+host) or the variables torchrun sets (MASTER_ADDR, MASTER_PORT; RANK and WORLD_SIZE give rank and size), which
+also spans machines.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommunicationCounts:
+    """Collectives a rank took part in since the last reset, and the bytes of the tensors it handed them."""
+
+    all_reduces: int = 0
+    all_reduce_bytes: int = 0
+    gathers: int = 0
+    gather_bytes: int = 0
+
+    def reset(self) -> None:
+        self.all_reduces = self.all_reduce_bytes = self.gathers = self.gather_bytes = 0
+
+
+@dataclass(eq=False)
+class TensorParallelGroup:
+    """Rank `rank` of `size` ranks in `group` (None for a single rank: every collective is then a no-op).
+
+    The group is this engine's own c10d process group, not torch.distributed's default one: two engines (a TP 1
+    and a TP 3 one in a lesson, the tests' many) live side by side in one process. So the collectives call the
+    group's own methods, which take ranks within the group."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None = None
+    counts: CommunicationCounts = field(default_factory=CommunicationCounts)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} is not in a group of {self.size}")
+        if self.size > 1 and self.group is None:
+            raise ValueError(f"a group of {self.size} ranks needs a torch.distributed process group")
+
+    @property
+    def is_first(self) -> bool:
+        """Rank 0: the one that runs the scheduler and the sampler, and receives the gathered logits."""
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of every rank's `x` (same shape everywhere), in place; returns it."""
+        if self.size == 1:
+            return x
+        self.counts.all_reduces += 1
+        self.counts.all_reduce_bytes += x.numel() * x.element_size()
+        assert self.group is not None
+        self.group.allreduce([x]).wait()
+        return x
+
+    def gather_to_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x (..., n) side by side on rank 0: (..., size * n) there, in rank order; the other ranks
+        get their own x back (they have no use for the whole)."""
+        if self.size == 1:
+            return x
+        self.counts.gathers += 1
+        self.counts.gather_bytes += x.numel() * x.element_size()
+        assert self.group is not None
+        x = x.contiguous()
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_first else []
+        self.group.gather([parts] if self.is_first else [], [x], options).wait()
+        return torch.cat(parts, dim=-1) if self.is_first else x
+
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x on every rank (the same shape and dtype everywhere), in place; returns it."""
+        if self.size > 1:
+            assert self.group is not None
+            options = dist.BroadcastOptions()
+            options.rootRank = 0
+            self.group.broadcast([x], options).wait()
+        return x
+
+
+def init_tensor_parallel(rank: int, size: int, device: torch.device | str = "cpu", host: str | None = None,
+                         port: int | None = None, timeout_s: float = 60.0) -> TensorParallelGroup:
+    """Join (at rank 0: open) a process group of `size` ranks and return this rank's TensorParallelGroup: gloo
+    on the CPU, NCCL on CUDA (one GPU per rank). The ranks meet at a TCP store on `host`:`port`, rank 0's;
+    without them, at MASTER_ADDR:MASTER_PORT, as torchrun sets them (which also spans machines)."""
+    device = torch.device(device)
+    if size == 1:
+        return TensorParallelGroup(0, 1)
+    host = host or os.environ.get("MASTER_ADDR")
+    port = port or (int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else None)
+    if host is None or port is None:
+        raise ValueError("a process group needs its rendezvous: pass host and port, or set MASTER_ADDR and "
+                         "MASTER_PORT")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size=size, is_master=rank == 0, timeout=timeout)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group: dist.ProcessGroup = dist.ProcessGroupNCCL(store, rank, size, options)
+    else:
+        group = dist.ProcessGroupGloo(store, rank, size, timeout)
+    return TensorParallelGroup(rank, size, group)

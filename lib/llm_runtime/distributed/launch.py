@@ -1,0 +1,83 @@
+"""Run a function on every rank of a new tensor-parallel group: one spawned process per rank, on this host.
+
+`run_on_ranks(fn, size, *args)` starts `size` processes (torch.multiprocessing, spawn: a fresh interpreter, as CUDA
+requires), joins them in one process group over loopback, calls `fn(tp, *args)` in each with its
+`TensorParallelGroup`, and returns what every rank returned, in rank order. A rank that raises fails the call with
+its traceback; one that dies or hangs fails it at `timeout_s`; no process outlives the call. The tests and lesson
+17 use it to run sharded models; `fn` must be importable (a module-level function), as spawn pickles it by name.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, on loopback (for a process group's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def threads_per_rank(size: int) -> int:
+    """The CPU threads each of `size` ranks on this host should compute with: the cores shared out."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+def _rank_main(rank: int, size: int, port: int, device: str, fn: Callable[..., Any], args: tuple,
+               results: Any) -> None:
+    from .group import init_tensor_parallel
+
+    torch.set_num_threads(threads_per_rank(size))
+    try:
+        rank_device = f"cuda:{rank}" if device == "cuda" else device
+        tp = init_tensor_parallel(rank, size, rank_device, "127.0.0.1", port)
+        results.put((rank, True, fn(tp, *args)))
+    except BaseException:  # reported to the caller, who raises it
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_on_ranks(fn: Callable[..., Any], size: int, *args: Any, device: str = "cpu", timeout_s: float = 300.0
+                 ) -> list[Any]:
+    """`fn(tp, *args)` on each of `size` new ranks (gloo on "cpu", NCCL with one GPU each on "cuda"); the
+    values they return, in rank order (module docstring)."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=_rank_main, args=(rank, size, port, device, fn, args, results),
+                                 daemon=True) for rank in range(size)]
+    for process in processes:
+        process.start()
+    values: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(values) < size:
+            try:
+                rank, ok, value = results.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in values]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} died (exit code {processes[dead[0]].exitcode}) "
+                                       f"before it returned") from None
+                if time.monotonic() >= deadline:
+                    missing = sorted(set(range(size)) - set(values))
+                    raise TimeoutError(f"ranks {missing} did not return within {timeout_s:.0f} s") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            values[rank] = value
+    finally:
+        for process in processes:
+            process.join(timeout=5 if len(values) == size else 0.1)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return [values[rank] for rank in range(size)]

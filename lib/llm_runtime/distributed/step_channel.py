@@ -1,0 +1,97 @@
+"""How a step's inputs reach the other ranks (lesson 17): rank 0 schedules, every rank computes.
+
+Rank 0's input buffers (engine/input_batch.py) already hold a step's integers in one int64 buffer. Per step rank 0
+broadcasts a fixed header (the kind of message and the segment sizes), then one payload: that buffer's used
+prefix, each block table's length, the step's copy-on-write block pairs, and the rows whose logits the step
+computes for prompt logprobs. Every other rank rebuilds the same ModelInput from it (`assemble_model_input`), so
+all ranks run the same forward pass and the same sequence of `compute_logits` calls, in which their collectives
+meet. Two broadcasts a step: the header's size is fixed, the payload's is the step's.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..engine.input_batch import StepLayout
+from .group import TensorParallelGroup
+
+STEP, STOP, CONFIGURE = 1, 2, 3
+_HEADER = 8  # kind, num_tokens, num_sampling, num_seqs, width, num_copies, num_prompt_rows, samples
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    """One step as another rank receives it."""
+
+    layout: StepLayout
+    buffer: torch.Tensor  # (layout.bounds[-1],) int64 on the rank's device: the ModelInput's views come from it
+    host: np.ndarray  # the same contents on the host
+    block_tables_host: tuple[tuple[int, ...], ...]
+    block_copies: list[tuple[int, int]]
+    prompt_rows: list[tuple[int, int]]  # (first row, rows) of each item whose prompt logprobs this step computes
+    samples: bool  # whether the step computes logits for its sampled rows
+
+
+class StepChannel:
+    """Rank 0's end sends; the other ranks' ends receive. Tensors travel on `device` (the CPU for gloo, the
+    rank's GPU for NCCL)."""
+
+    def __init__(self, tp: TensorParallelGroup, device: torch.device | str = "cpu") -> None:
+        self.tp = tp
+        self.device = torch.device(device)
+
+    def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.tp.broadcast_from_first(tensor)
+
+    def send_step(self, layout: StepLayout, host: torch.Tensor, block_tables: tuple[tuple[int, ...], ...],
+                  block_copies: list[tuple[int, int]], prompt_rows: list[tuple[int, int]], samples: bool) -> None:
+        """Rank 0: the step whose buffer `host` holds (its first layout.bounds[-1] entries)."""
+        used = layout.bounds[-1]
+        extras = np.array([len(t) for t in block_tables] + [x for pair in block_copies for x in pair]
+                          + [x for pair in prompt_rows for x in pair], dtype=np.int64)
+        header = torch.tensor([STEP, layout.num_tokens, layout.num_sampling, layout.num_seqs, layout.width,
+                               len(block_copies), len(prompt_rows), int(samples)], dtype=torch.int64)
+        self._broadcast(header.to(self.device))
+        payload = torch.cat([host[:used].cpu(), torch.from_numpy(extras)])
+        self._broadcast(payload.to(self.device))
+
+    def send_stop(self) -> None:
+        """Rank 0: no more steps; the other ranks leave their loops."""
+        self._broadcast(torch.tensor([STOP] + [0] * (_HEADER - 1), dtype=torch.int64, device=self.device))
+
+    def send_object(self, value: object) -> None:
+        """Rank 0: a small picklable value (the engine's settings, once) to every other rank."""
+        data = np.frombuffer(pickle.dumps(value), dtype=np.uint8)
+        header = torch.tensor([CONFIGURE, len(data)] + [0] * (_HEADER - 2), dtype=torch.int64)
+        self._broadcast(header.to(self.device))
+        self._broadcast(torch.from_numpy(data.copy()).to(self.device))
+
+    def receive(self) -> StepMessage | object | None:
+        """Another rank: the next message (a StepMessage, a configured value), or None after a stop."""
+        header = self._broadcast(torch.empty(_HEADER, dtype=torch.int64, device=self.device)).tolist()
+        kind = header[0]
+        if kind == STOP:
+            return None
+        if kind == CONFIGURE:
+            data = self._broadcast(torch.empty(header[1], dtype=torch.uint8, device=self.device))
+            return pickle.loads(data.cpu().numpy().tobytes())
+        if kind != STEP:
+            raise RuntimeError(f"unknown step message kind {kind}")
+        layout = StepLayout(*header[1:5])
+        num_copies, num_prompt_rows, samples = header[5:8]
+        used = layout.bounds[-1]
+        size = used + layout.num_seqs + 2 * num_copies + 2 * num_prompt_rows
+        payload = self._broadcast(torch.empty(size, dtype=torch.int64, device=self.device))
+        host = payload.cpu().numpy()
+        extras = host[used:].tolist()
+        lengths, rest = extras[: layout.num_seqs], extras[layout.num_seqs :]
+        tables = host[layout.bounds[6] : layout.bounds[7]].reshape(layout.num_seqs, layout.width)
+        block_tables = tuple(tuple(tables[row, :n].tolist()) for row, n in enumerate(lengths))
+        copies = [(rest[2 * i], rest[2 * i + 1]) for i in range(num_copies)]
+        rest = rest[2 * num_copies :]
+        prompt_rows = [(rest[2 * i], rest[2 * i + 1]) for i in range(num_prompt_rows)]
+        return StepMessage(layout, payload[:used], host[:used], block_tables, copies, prompt_rows, bool(samples))

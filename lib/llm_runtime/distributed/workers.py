@@ -1,0 +1,231 @@
+"""The engine's other ranks (lesson 17): processes that each hold a shard of the model and its KV pool, and compute
+every step rank 0 sends them.
+
+`ShardWorkers.start` spawns ranks 1 .. size - 1 (torch.multiprocessing, spawn), opens the process group as rank 0
+(the caller: the engine's process, which keeps the scheduler, the block manager and the sampler) and returns
+once every rank has joined. Each worker loads its own shard (only its slices are read from the files), waits for
+the engine's settings (`configure`: the pool's size and the attention backend, decided on rank 0 from its own
+shard), then loops: receive a step (step_channel.py), copy blocks, run the forward pass over its pool, take part
+in the logits gathers, until told to stop.
+
+Faults: a worker that raises reports it and exits; a worker that dies breaks the group's sockets, so rank 0's next
+collective fails at once, and a hung one fails it after the group's timeout; `check` says which worker died.
+A worker whose parent dies (even by SIGKILL) is killed by the kernel (PR_SET_PDEATHSIG on Linux) and exits on its
+next collective elsewhere, so none is left behind. Spawned workers import the main module again: a script that
+starts an engine with tensor_parallel_size > 1 keeps that under `if __name__ == "__main__":` (as with vLLM).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from .group import TensorParallelGroup, init_tensor_parallel
+from .launch import free_port, threads_per_rank
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to load its shard: the model's name (None: the bundled one) and how it is loaded."""
+
+    source: str | None
+    device: str  # "cpu", or "cuda" (rank r on GPU r)
+    dtype: str
+    quantization: str | None = None
+    group_size: int | None = None
+    timeout_s: float = 30.0  # a collective that waits longer fails (a hung rank)
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    """What rank 0 decides for every rank once its own shard is loaded."""
+
+    num_blocks: int
+    block_size: int
+    kv_cache_dtype: str
+    attention_backend: str
+    prepack_weights: bool
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent dies (elsewhere: rely on the broken group)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+        except OSError:
+            pass
+
+
+def _worker_main(rank: int, size: int, port: int, spec: WorkerSpec, errors: Any) -> None:
+    _die_with_parent()
+    torch.set_num_threads(threads_per_rank(size))
+    try:
+        device = f"cuda:{rank}" if spec.device == "cuda" else spec.device
+        tp = init_tensor_parallel(rank, size, device, "127.0.0.1", port, timeout_s=spec.timeout_s)
+        ShardWorker(tp, spec, device).run()
+    except BaseException:  # reported to rank 0, which raises it when the group fails
+        errors.put((rank, traceback.format_exc()))
+
+
+class ShardWorker:
+    """One worker rank's loop (module docstring)."""
+
+    def __init__(self, tp: TensorParallelGroup, spec: WorkerSpec, device: str) -> None:
+        from ..model.loader import load_model_weights
+        from .step_channel import StepChannel
+
+        self.tp = tp
+        self.model = load_model_weights(spec.source, device=device, dtype=spec.dtype, quantization=spec.quantization,
+                                        group_size=spec.group_size, tensor_parallel=tp)
+        self.channel = StepChannel(tp, "cpu" if torch.device(device).type == "cpu" else device)
+
+    def run(self) -> None:
+        from ..attention.backend import PagedAttentionStep
+        from ..attention.kv_cache import PagedKVCache
+        from ..attention.selector import select_backend
+        from ..engine.input_batch import assemble_model_input
+        from ..engine.model_runner import PROMPT_LOGPROB_ROWS
+        from ..model.packed_linear import pack_linears_
+        from .step_channel import StepMessage
+
+        settings = self.channel.receive()
+        if not isinstance(settings, ShardSettings):
+            raise RuntimeError(f"a worker expected its settings first, got {settings!r}")
+        model = self.model
+        if settings.prepack_weights:
+            pack_linears_(model)
+        kv_cache = PagedKVCache.for_model(model.config, settings.num_blocks, settings.block_size, dtype=model.dtype,
+                                          device=model.device, kv_cache_dtype=settings.kv_cache_dtype)
+        backend = select_backend(settings.attention_backend, model.device, model.dtype, None, settings.block_size)
+        with torch.inference_mode():
+            while (message := self.channel.receive()) is not None:
+                assert isinstance(message, StepMessage)
+                kv_cache.copy_blocks(message.block_copies)
+                step = assemble_model_input(message.buffer.to(model.device), message.host, message.layout,
+                                            settings.block_size, message.block_tables_host, ())
+                kv = PagedAttentionStep(kv_cache, backend, step.metadata)
+                hidden = model(step.input_ids, kv, step.positions)  # (1, N, hidden), the same on every rank
+                for first, rows in message.prompt_rows:  # the same calls as rank 0's, so the gathers meet
+                    for begin in range(0, rows, PROMPT_LOGPROB_ROWS):
+                        model.compute_logits(hidden[0, first + begin : first + min(begin + PROMPT_LOGPROB_ROWS, rows)])
+                if message.samples:
+                    model.compute_logits(hidden[0, step.logits_indices])
+        kv_cache.release()
+
+
+class ShardWorkers:
+    """Rank 0's handle on ranks 1 .. size - 1 (module docstring)."""
+
+    def __init__(self, tp: TensorParallelGroup, processes: list[Any], errors: Any, device: str) -> None:
+        from .step_channel import StepChannel
+
+        self.tp = tp
+        self.processes = processes
+        self.errors = errors
+        self.channel = StepChannel(tp, "cpu" if torch.device(device).type == "cpu" else device)
+        self.closed = False
+
+    @classmethod
+    def start(cls, spec: WorkerSpec, size: int) -> "ShardWorkers":
+        """Spawn the workers and join them in a new process group as rank 0 (blocks until all joined)."""
+        if size < 2:
+            raise ValueError(f"workers are for tensor_parallel_size >= 2, not {size}")
+        context = mp.get_context("spawn")
+        errors = context.Queue()
+        port = free_port()
+        processes = [context.Process(target=_worker_main, args=(rank, size, port, spec, errors), daemon=True,
+                                     name=f"llm_runtime-tp-rank{rank}") for rank in range(1, size)]
+        for process in processes:
+            process.start()
+        device = "cuda:0" if spec.device == "cuda" else spec.device
+        joined: list[TensorParallelGroup] = []
+        failed: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                joined.append(init_tensor_parallel(0, size, device, "127.0.0.1", port, timeout_s=spec.timeout_s))
+            except BaseException as error:
+                failed.append(error)
+
+        joining = threading.Thread(target=join, daemon=True)
+        joining.start()
+        try:
+            while joining.is_alive():  # the rendezvous blocks: watch the workers meanwhile
+                joining.join(timeout=0.2)
+                dead = [p for p in processes if not p.is_alive()]
+                if dead and joining.is_alive():
+                    handle = cls.__new__(cls)
+                    handle.processes, handle.errors = processes, errors
+                    raise RuntimeError(handle.check() or f"{dead[0].name} exited before the group formed")
+            if failed:
+                raise failed[0]
+        except BaseException:
+            for process in processes:
+                process.kill()
+                process.join()
+            raise
+        return cls(joined[0], processes, errors, spec.device)
+
+    def configure(self, settings: ShardSettings) -> None:
+        """Every worker's pool and backend (once, after rank 0 sized its own)."""
+        self.channel.send_object(settings)
+
+    def check(self) -> str | None:
+        """None while every worker lives; else what happened to the first that did not."""
+        for process in self.processes:
+            if not process.is_alive():
+                reported = self._reported()
+                return (f"tensor-parallel worker {process.name} exited (code {process.exitcode})"
+                        + (f":\n{reported}" if reported else ""))
+        return None
+
+    def _reported(self) -> str:
+        try:
+            rank, text = self.errors.get_nowait()
+            return f"rank {rank}: {text}"
+        except Exception:  # queue.Empty, or a queue broken by the dead process
+            return ""
+
+    def close(self) -> None:
+        """Stop the workers (politely where the group still works) and reap them; none is left running."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.check() is None:
+            try:
+                self.channel.send_stop()
+            except Exception:  # a broken group: the workers are killed below
+                pass
+        for process in self.processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def start_shard_workers(source: str | Path | None, size: int, *, device: str | torch.device = "auto",
+                        dtype: str | torch.dtype = "auto", quantization: str | None = None,
+                        group_size: int | None = None) -> ShardWorkers:
+    """Ranks 1 .. size - 1 for a model `load_model(source, ...)` loads (rank 0 then loads its own shard with
+    `tensor_parallel=workers.tp`). Refuses, before starting anything, a model whose shape does not split."""
+    from ..device import resolve_device, resolve_dtype
+    from ..model.loader import read_model_config, resolve_model_folder
+    from .sharding import tensor_parallel_unsupported_reason
+
+    resolved = resolve_device(device)
+    reason = tensor_parallel_unsupported_reason(read_model_config(resolve_model_folder(source)), size)
+    if reason is not None:
+        raise ValueError(reason)
+    dtype_name = str(resolve_dtype(dtype, resolved) if quantization is None or dtype != "auto" else torch.bfloat16)
+    spec = WorkerSpec(None if source is None else str(source), resolved.type, dtype_name.removeprefix("torch."),
+                      quantization, group_size)
+    return ShardWorkers.start(spec, size)

@@ -1,0 +1,160 @@
+"""The engine at tensor_parallel_size > 1 (distributed/workers.py, lesson 17), on gloo ranks on the CPU, in float32:
+the same greedy tokens as one rank and logprobs within 1e-4, with chunked prefill, prefix caching, preemption,
+n-gram speculation and prompt logprobs on; the bundled model at 3 ranks, tiny models of every family at 2 (one
+with a single KV head, replicated). Refusals, and faults: a worker killed mid-run makes the engine dead within
+seconds (its requests fail, nothing hangs), and no worker outlives the engine, even when the parent is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from llm_runtime import LLM, EngineConfig, SamplingParams, load_model
+from llm_runtime.errors import EngineDeadError
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "Write a haiku about autumn:", "1, 2, 3, 4,",
+           "The quick brown fox jumps over the lazy dog. The quick brown fox", "Once upon a time"]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+
+def _children() -> list[int]:
+    """This process's live child processes (spawned workers included)."""
+    try:
+        out = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        pytest.skip("pgrep is not installed")
+    return [int(pid) for pid in out.split()]
+
+
+def _compare(one, many) -> float:
+    """Same tokens for every request; the largest logprob difference of the generated tokens and the prompts'."""
+    worst = 0.0
+    for a, b in zip(one, many, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        for x, y, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
+            worst = max(worst, abs(x[t] - y[t]))
+        if a.prompt_logprobs is not None:
+            for x, y, t in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], a.prompt_token_ids[1:]):
+                worst = max(worst, abs(x[t] - y[t]))
+    return worst
+
+
+@pytest.fixture(scope="module")
+def bundled_tp1():
+    params = [SamplingParams(temperature=0, max_tokens=40, logprobs=0, prompt_logprobs=0 if i % 2 else None)
+              for i in range(len(PROMPTS))]
+    options = dict(dtype="float32", max_num_batched_tokens=40, max_num_seqs=8, num_kv_blocks=10,
+                   enable_prefix_caching=True, speculative_config=NGRAM)
+    with LLM(compile_model=False, **options) as llm:
+        return params, options, llm.generate(PROMPTS + PROMPTS[:2], params + params[:2], use_tqdm=False)
+
+
+def test_the_bundled_model_at_3_ranks_gives_one_ranks_tokens(bundled_tp1) -> None:
+    params, options, expected = bundled_tp1
+    with LLM(tensor_parallel_size=3, **options) as llm:
+        engine = llm.llm_engine
+        assert engine.model.config.num_heads == 3 and engine.model.config.num_kv_heads == 1  # 9 heads, 3 KV
+        workers = [p.pid for p in engine.workers.processes]
+        assert len(workers) == 2 and set(workers) <= set(_children())  # ranks 1 and 2, this process's children
+        got = llm.generate(PROMPTS + PROMPTS[:2], params + params[:2], use_tqdm=False)
+        assert engine.scheduler.num_preemptions > 0  # 10 blocks of 16 tokens for 7 requests: some were preempted
+        assert engine.spec_stats is not None and engine.spec_stats.num_draft_tokens > 0
+        assert engine.scheduler.num_prefix_hit_tokens > 0  # the repeated prompts
+    assert _compare(expected, got) < 1e-4
+    assert not [pid for pid in workers if _alive(pid)], "a worker outlived its engine"
+
+
+@pytest.mark.parametrize("family", ["llama3", "smollm2", "qwen3"])  # smollm2: one KV head on 2 ranks
+def test_tiny_models_at_2_ranks_give_one_ranks_tokens(tiny_checkpoints, family: str) -> None:
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=0, prompt_logprobs=0)
+    prompts = [{"prompt_token_ids": [5, 17, 3, 42, 8, 11, 60, 96, 0, 50]}, {"prompt_token_ids": [1, 2, 3, 4]}]
+    folder = tiny_checkpoints[family]
+    results = []
+    for size in (1, 2):
+        model, _ = _tiny(folder)
+        with LLM.from_model(model, None, tensor_parallel_size=size, num_kv_blocks=32, compile_model=False,
+                            max_num_batched_tokens=32, max_num_seqs=4) as llm:
+            results.append(llm.generate(prompts, params, use_tqdm=False))
+    assert _compare(*results) < 1e-4
+
+
+def _tiny(folder):
+    from llm_runtime.model.loader import load_model_weights
+
+    return load_model_weights(folder, device="cpu", dtype="float32"), None
+
+
+def test_what_does_not_split_or_run_yet_is_refused(tiny_checkpoints) -> None:
+    with pytest.raises(ValueError, match="4 attention heads do not divide over 3"):
+        LLM.from_model(_tiny(tiny_checkpoints["llama3"])[0], None, tensor_parallel_size=3, num_kv_blocks=8)
+    with pytest.raises(ValueError, match="does not run yet with compile_model"):
+        EngineConfig(tensor_parallel_size=2, compile_model=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        EngineConfig(tensor_parallel_size=0)
+    model = _tiny(tiny_checkpoints["llama3"])[0]
+    model.source = None
+    with pytest.raises(ValueError, match="load the model by its name"):
+        LLM.from_model(model, None, tensor_parallel_size=2, num_kv_blocks=8)
+
+
+def test_a_killed_worker_makes_the_engine_dead_quickly(tiny_checkpoints) -> None:
+    model, _ = _tiny(tiny_checkpoints["llama3"])
+    llm = LLM.from_model(model, None, tensor_parallel_size=2, num_kv_blocks=32, compile_model=False)
+    try:
+        engine = llm.llm_engine
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, params)
+        engine.step()
+        os.kill(engine.workers.processes[0].pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - started < 30
+        assert "exited" in repr(engine.dead_reason)
+        with pytest.raises(EngineDeadError):
+            engine.step()
+    finally:
+        llm.shutdown()
+    assert not [p for p in llm.llm_engine.workers.processes if p.is_alive()]
+
+
+def test_no_worker_outlives_a_killed_parent(tiny_checkpoints) -> None:
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        from llm_runtime import LLM
+        from llm_runtime.model.loader import load_model_weights
+        if __name__ == "__main__":
+            model = load_model_weights({str(tiny_checkpoints["llama3"])!r}, device="cpu", dtype="float32")
+            llm = LLM.from_model(model, None, tensor_parallel_size=2, num_kv_blocks=16, compile_model=False)
+            print(llm.llm_engine.workers.processes[0].pid, flush=True)
+            time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(parent.stdout.readline())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker), "the worker outlived its killed parent"
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
