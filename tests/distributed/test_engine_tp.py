@@ -158,3 +158,14 @@ def _alive(pid: int) -> bool:
             return stat.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_bench_runs_an_engine_at_3_ranks(bundled) -> None:
+    """`bench --tensor-parallel-size 3`: each run's ranks load their shards anew; the bench's model stays whole."""
+    from llm_runtime.bench.benchmark import EngineRunner, fixed_workload
+
+    model, _ = bundled
+    workload = fixed_workload(4, 12, 8, vocab_size=model.config.vocab_size)
+    one = EngineRunner(model, kv_cache_memory=64 << 20).run(workload)
+    three = EngineRunner(model, kv_cache_memory=64 << 20, tensor_parallel_size=3).run(workload)
+    assert three.outputs == one.outputs and model.tp is None

@@ -24,7 +24,8 @@ from typing import Any, Protocol
 import torch
 from tqdm.auto import tqdm
 
-from ..config import ModelConfig
+from ..config import EngineConfig, ModelConfig
+from ..engine.engine import LLMEngine
 from ..engine.llm import LLM
 from ..engine.outputs import RequestOutput
 from ..model import CausalLM
@@ -132,14 +133,26 @@ class EngineRunner:
     """
 
     def __init__(self, model: CausalLM, name: str = "llm_runtime", *, owns_model: bool = False,
-                 **engine_options: object) -> None:
+                 quantization: str | None = None, **engine_options: object) -> None:
         self.model = model
         self.owns_model = owns_model
+        self.quantization = quantization  # how `model` was loaded: a tensor-parallel run loads its shards so
         self.engine_options = engine_options
         self.name = name
 
+    def _engine(self) -> LLMEngine:
+        """A fresh engine for one run. With tensor_parallel_size > 1 every rank loads its shard anew (the model
+        given stays whole for the other runs), by the model's name, as `load_model` loaded it."""
+        if int(self.engine_options.get("tensor_parallel_size", 1)) > 1:  # type: ignore[call-overload]
+            if self.model.source is None:
+                raise ValueError("a tensor-parallel run loads the model by its name; this model has none")
+            return LLMEngine.from_pretrained(self.model.source or None, device=self.model.device,
+                                             dtype=self.model.dtype, quantization=self.quantization,
+                                             config=EngineConfig(**self.engine_options))  # type: ignore[arg-type]
+        return LLM.from_model(self.model, None, owns_model=self.owns_model, **self.engine_options).llm_engine
+
     def run(self, workload: Workload, progress: bool = False) -> RunResult:
-        engine = LLM.from_model(self.model, None, owns_model=self.owns_model, **self.engine_options).llm_engine
+        engine = self._engine()
         pending = sorted(range(len(workload.requests)), key=lambda i: workload.requests[i].arrival_time)
         finished: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(pending), desc=self.name, unit="req", disable=not progress, leave=False)

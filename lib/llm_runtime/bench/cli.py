@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import KV_CACHE_DTYPES, SpeculativeConfig
+from ..config import KV_CACHE_DTYPES, EngineConfig, SpeculativeConfig
 from ..model.quantized_linear import QUANTIZATIONS
 
 if TYPE_CHECKING:
@@ -64,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="engine: no torch.compile, no CUDA graphs")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="engine: a request's logits bitwise the same whatever runs beside it (the CPU; lesson 16)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="engine: split the model over this many ranks (worker processes; lesson 17)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="engine: every step eagerly, but torch.compile where it applies (by default decode "
                              "steps replay CUDA graphs on CUDA)")
@@ -145,14 +147,20 @@ def run(args: argparse.Namespace) -> int:
                       "compile_pointwise": True if args.compile_pointwise else None,
                       "compile_model": False if args.no_compile_model else None,
                       "enforce_eager": args.enforce_eager, "cuda_graphs": False if args.no_cuda_graphs else None,
-                      "batch_invariant": args.batch_invariant,
+                      "batch_invariant": args.batch_invariant, "tensor_parallel_size": args.tensor_parallel_size,
                       "kv_cache_dtype": args.kv_cache_dtype, "speculative_config": args.speculative_config}
+    try:
+        EngineConfig(**engine_options)  # type: ignore[arg-type]  # a setting the engine refuses, before any run
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     runners = []
     if "engine" in names:
         backends = [b.strip() for b in args.attention_backends.split(",") if b.strip()] or ["auto"]
         for backend in backends:
             name = "llm_runtime" if backend == "auto" else f"llm_runtime/{backend}"
-            runners.append(EngineRunner(model, name, owns_model=True, **engine_options, attention_backend=backend))
+            runners.append(EngineRunner(model, name, owns_model=True, quantization=args.quantization, **engine_options,
+                                        attention_backend=backend))
     if {"hf-static", "hf-continuous"} & set(names):
         from transformers import AutoModelForCausalLM
 

@@ -133,6 +133,11 @@ class ShardWorkers:
         self.errors = errors
         self.channel = StepChannel(tp, "cpu" if torch.device(device).type == "cpu" else device)
         self.closed = False
+        # On the CPU the ranks share this host's cores: rank 0 takes its share too while the workers live (with
+        # all its threads it measured 344 ms a step of the bundled model at 3 ranks on 2 cores, with one 203 ms).
+        self._threads_before = torch.get_num_threads()
+        if torch.device(device).type == "cpu":
+            torch.set_num_threads(threads_per_rank(tp.size))
 
     @classmethod
     def start(cls, spec: WorkerSpec, size: int) -> "ShardWorkers":
@@ -210,6 +215,7 @@ class ShardWorkers:
             if process.is_alive():
                 process.kill()
                 process.join()
+        torch.set_num_threads(self._threads_before)
 
 
 def start_shard_workers(source: str | Path | None, size: int, *, device: str | torch.device = "auto",
