@@ -270,6 +270,7 @@ class EngineConfig:
     # process (scheduler, block manager, sampler), the others worker processes the engine starts; gloo on the
     # CPU, NCCL on CUDA (one GPU per rank). Not yet with the compiled forward, CUDA graphs or an 8-bit KV cache.
     tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 30.0  # a collective inside a step waiting longer fails the engine (a hung rank)
     # Limits on what one request may ask for (the input processor refuses more, naming the field).
     max_logprobs: int = 20  # top logprobs per token (`logprobs`, `prompt_logprobs`), as vLLM's default
     max_num_stop_strings: int = 16  # stop strings per request
@@ -308,11 +309,16 @@ class EngineConfig:
         size = self.tensor_parallel_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+        timeout = self.tensor_parallel_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"tensor_parallel_timeout_s must be a number of seconds > 0, got {timeout!r}")
         if size > 1:
             clashes = [name for name, value in (("compile_model", self.compile_model),
                                                 ("cuda_graphs", self.cuda_graphs)) if value]
             if self.kv_cache_dtype != "auto":
                 clashes.append(f"kv_cache_dtype={self.kv_cache_dtype!r}")
+            if self.batch_invariant:
+                clashes.append("batch_invariant=True")
             if clashes:
                 raise ValueError(f"tensor_parallel_size={size} does not run yet with {', '.join(clashes)}")
         if self.batch_invariant:

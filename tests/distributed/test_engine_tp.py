@@ -169,3 +169,15 @@ def test_the_bench_runs_an_engine_at_3_ranks(bundled) -> None:
     one = EngineRunner(model, kv_cache_memory=64 << 20).run(workload)
     three = EngineRunner(model, kv_cache_memory=64 << 20, tensor_parallel_size=3).run(workload)
     assert three.outputs == one.outputs and model.tp is None
+
+
+def test_an_idle_engine_outlasts_the_step_timeout(tiny_checkpoints) -> None:
+    """The workers wait for the next step without a timeout (only a collective inside a step has one)."""
+    model, _ = _tiny(tiny_checkpoints["llama3"])
+    params = SamplingParams(temperature=0, max_tokens=4)
+    with LLM.from_model(model, None, tensor_parallel_size=2, num_kv_blocks=16, compile_model=False,
+                        tensor_parallel_timeout_s=1.0) as llm:
+        first = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
+        time.sleep(3)  # three times the timeout, idle
+        again = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids

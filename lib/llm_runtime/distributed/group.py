@@ -46,6 +46,9 @@ class TensorParallelGroup:
     size: int
     group: dist.ProcessGroup | None = None
     counts: CommunicationCounts = field(default_factory=CommunicationCounts)
+    # Gloo over the same store, with no practical timeout: where the other ranks wait for rank 0's next step,
+    # however long the engine stays idle (the compute group's timeout catches a hung rank mid-step).
+    control: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -83,14 +86,28 @@ class TensorParallelGroup:
         self.group.gather([parts] if self.is_first else [], [x], options).wait()
         return torch.cat(parts, dim=-1) if self.is_first else x
 
-    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
-        """Rank 0's x on every rank (the same shape and dtype everywhere), in place; returns it."""
+    def broadcast_from_first(self, x: torch.Tensor, control: bool = False) -> torch.Tensor:
+        """Rank 0's x on every rank (the same shape and dtype everywhere), in place; returns it. `control`: over the
+        control group (a CPU tensor; waits as long as rank 0 takes)."""
         if self.size > 1:
-            assert self.group is not None
+            group = self.control if control else self.group
+            assert group is not None
             options = dist.BroadcastOptions()
             options.rootRank = 0
-            self.group.broadcast([x], options).wait()
+            group.broadcast([x], options).wait()
         return x
+
+    def abort(self) -> None:
+        """Tear the groups down without waiting for the other ranks (after a failure); best effort."""
+        for group in (self.group, self.control):
+            for name in ("abort", "shutdown"):
+                method = getattr(group, name, None)
+                if method is not None:
+                    try:
+                        method()
+                        break
+                    except Exception:  # a backend without it, or one already broken
+                        continue
 
 
 def init_tensor_parallel(rank: int, size: int, device: torch.device | str = "cpu", host: str | None = None,
@@ -108,11 +125,19 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device | str = "cpu
                          "MASTER_PORT")
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size=size, is_master=rank == 0, timeout=timeout)
+    compute_store, control_store = dist.PrefixStore("compute", store), dist.PrefixStore("control", store)
     if device.type == "cuda":
+        # A failed collective aborts the communicator and raises, instead of ending the process (NCCL's default),
+        # so a server can answer 503.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         torch.cuda.set_device(device)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        group: dist.ProcessGroup = dist.ProcessGroupNCCL(store, rank, size, options)
+        group: dist.ProcessGroup = dist.ProcessGroupNCCL(compute_store, rank, size, options)
+        connect = getattr(group, "eager_connect_single_device", None)
+        if connect is not None:  # build the communicator now, while every rank is at the rendezvous
+            connect(device)
     else:
-        group = dist.ProcessGroupGloo(store, rank, size, timeout)
-    return TensorParallelGroup(rank, size, group)
+        group = dist.ProcessGroupGloo(compute_store, rank, size, timeout)
+    control = dist.ProcessGroupGloo(control_store, rank, size, datetime.timedelta(days=365))
+    return TensorParallelGroup(rank, size, group, control=control)

@@ -5,7 +5,9 @@ broadcasts a fixed header (the kind of message and the segment sizes), then one 
 prefix, each block table's length, the step's copy-on-write block pairs, and the rows whose logits the step
 computes for prompt logprobs. Every other rank rebuilds the same ModelInput from it (`assemble_model_input`), so
 all ranks run the same forward pass and the same sequence of `compute_logits` calls, in which their collectives
-meet. Two broadcasts a step: the header's size is fixed, the payload's is the step's.
+meet. Two broadcasts a step: the header's size is fixed, the payload's is the step's. The header goes over the
+group's control group (gloo, on the CPU, without a practical timeout): the other ranks wait there between steps,
+however long the engine stays idle.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class StepChannel:
     def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.tp.broadcast_from_first(tensor)
 
+    def _broadcast_header(self, header: torch.Tensor) -> torch.Tensor:
+        return self.tp.broadcast_from_first(header, control=True)
+
     def send_step(self, layout: StepLayout, host: torch.Tensor, block_tables: tuple[tuple[int, ...], ...],
                   block_copies: list[tuple[int, int]], prompt_rows: list[tuple[int, int]], samples: bool) -> None:
         """Rank 0: the step whose buffer `host` holds (its first layout.bounds[-1] entries)."""
@@ -55,24 +60,24 @@ class StepChannel:
                           + [x for pair in prompt_rows for x in pair], dtype=np.int64)
         header = torch.tensor([STEP, layout.num_tokens, layout.num_sampling, layout.num_seqs, layout.width,
                                len(block_copies), len(prompt_rows), int(samples)], dtype=torch.int64)
-        self._broadcast(header.to(self.device))
+        self._broadcast_header(header)
         payload = torch.cat([host[:used].cpu(), torch.from_numpy(extras)])
         self._broadcast(payload.to(self.device))
 
     def send_stop(self) -> None:
         """Rank 0: no more steps; the other ranks leave their loops."""
-        self._broadcast(torch.tensor([STOP] + [0] * (_HEADER - 1), dtype=torch.int64, device=self.device))
+        self._broadcast_header(torch.tensor([STOP] + [0] * (_HEADER - 1), dtype=torch.int64))
 
     def send_object(self, value: object) -> None:
         """Rank 0: a small picklable value (the engine's settings, once) to every other rank."""
         data = np.frombuffer(pickle.dumps(value), dtype=np.uint8)
         header = torch.tensor([CONFIGURE, len(data)] + [0] * (_HEADER - 2), dtype=torch.int64)
-        self._broadcast(header.to(self.device))
+        self._broadcast_header(header)
         self._broadcast(torch.from_numpy(data.copy()).to(self.device))
 
     def receive(self) -> StepMessage | object | None:
         """Another rank: the next message (a StepMessage, a configured value), or None after a stop."""
-        header = self._broadcast(torch.empty(_HEADER, dtype=torch.int64, device=self.device)).tolist()
+        header = self._broadcast_header(torch.empty(_HEADER, dtype=torch.int64)).tolist()
         kind = header[0]
         if kind == STOP:
             return None

@@ -18,6 +18,7 @@ starts an engine with tensor_parallel_size > 1 keeps that under `if __name__ == 
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import sys
 import threading
@@ -42,7 +43,7 @@ class WorkerSpec:
     dtype: str
     quantization: str | None = None
     group_size: int | None = None
-    timeout_s: float = 30.0  # a collective that waits longer fails (a hung rank)
+    timeout_s: float = 30.0  # a collective of a step that waits longer fails (a hung rank)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class ShardSettings:
     kv_cache_dtype: str
     attention_backend: str
     prepack_weights: bool
+    compile_pointwise: bool = False  # the layers' pointwise parts through torch.compile, as rank 0 runs them
 
 
 def _die_with_parent() -> None:
@@ -63,6 +65,8 @@ def _die_with_parent() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
         except OSError:
             pass
+    if os.getppid() == 1:  # the parent died before the request above took effect
+        os._exit(1)
 
 
 def _worker_main(rank: int, size: int, port: int, spec: WorkerSpec, errors: Any) -> None:
@@ -103,6 +107,10 @@ class ShardWorker:
         model = self.model
         if settings.prepack_weights:
             pack_linears_(model)
+        if settings.compile_pointwise:
+            from ..model.pointwise import compiled_ops, set_pointwise_ops_
+
+            set_pointwise_ops_(model, compiled_ops())
         kv_cache = PagedKVCache.for_model(model.config, settings.num_blocks, settings.block_size, dtype=model.dtype,
                                           device=model.device, kv_cache_dtype=settings.kv_cache_dtype)
         backend = select_backend(settings.attention_backend, model.device, model.dtype, None, settings.block_size)
@@ -131,8 +139,12 @@ class ShardWorkers:
         self.tp = tp
         self.processes = processes
         self.errors = errors
-        self.channel = StepChannel(tp, "cpu" if torch.device(device).type == "cpu" else device)
+        on_gpu = torch.device(device).type == "cuda"
+        if on_gpu:
+            torch.cuda.set_device(0)  # rank 0's GPU, on the thread that will run the steps
+        self.channel = StepChannel(tp, "cuda:0" if on_gpu else "cpu")
         self.closed = False
+        self.failed = False  # set by the engine after a failed step: the ranks are out of step
         # On the CPU the ranks share this host's cores: rank 0 takes its share too while the workers live (with
         # all its threads it measured 344 ms a step of the bundled model at 3 ranks on 2 cores, with one 203 ms).
         self._threads_before = torch.get_num_threads()
@@ -144,6 +156,9 @@ class ShardWorkers:
         """Spawn the workers and join them in a new process group as rank 0 (blocks until all joined)."""
         if size < 2:
             raise ValueError(f"workers are for tensor_parallel_size >= 2, not {size}")
+        if spec.device == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs (rank r on cuda:r); "
+                             f"{torch.cuda.device_count()} are visible")
         context = mp.get_context("spawn")
         errors = context.Queue()
         port = free_port()
@@ -205,11 +220,13 @@ class ShardWorkers:
         if self.closed:
             return
         self.closed = True
-        if self.check() is None:
+        if self.check() is None and not self.failed:
             try:
                 self.channel.send_stop()
             except Exception:  # a broken group: the workers are killed below
-                pass
+                self.failed = True
+        if self.failed or self.check() is not None:
+            self.tp.abort()  # nothing may wait on ranks that are gone or out of step
         for process in self.processes:
             process.join(timeout=5)
             if process.is_alive():
@@ -220,7 +237,7 @@ class ShardWorkers:
 
 def start_shard_workers(source: str | Path | None, size: int, *, device: str | torch.device = "auto",
                         dtype: str | torch.dtype = "auto", quantization: str | None = None,
-                        group_size: int | None = None) -> ShardWorkers:
+                        group_size: int | None = None, timeout_s: float = 30.0) -> ShardWorkers:
     """Ranks 1 .. size - 1 for a model `load_model(source, ...)` loads (rank 0 then loads its own shard with
     `tensor_parallel=workers.tp`). Refuses, before starting anything, a model whose shape does not split."""
     from ..device import resolve_device, resolve_dtype
@@ -228,10 +245,12 @@ def start_shard_workers(source: str | Path | None, size: int, *, device: str | t
     from .sharding import tensor_parallel_unsupported_reason
 
     resolved = resolve_device(device)
+    if resolved.type == "cuda" and resolved.index not in (None, 0):
+        raise ValueError(f"tensor parallelism puts rank r on cuda:r, so rank 0 on cuda:0, not {resolved}")
     reason = tensor_parallel_unsupported_reason(read_model_config(resolve_model_folder(source)), size)
     if reason is not None:
         raise ValueError(reason)
     dtype_name = str(resolve_dtype(dtype, resolved) if quantization is None or dtype != "auto" else torch.bfloat16)
     spec = WorkerSpec(None if source is None else str(source), resolved.type, dtype_name.removeprefix("torch."),
-                      quantization, group_size)
+                      quantization, group_size, timeout_s)
     return ShardWorkers.start(spec, size)

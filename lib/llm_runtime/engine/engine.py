@@ -36,6 +36,7 @@ from ..config import EngineConfig
 from ..distributed.sharding import shard_model_, tensor_parallel_unsupported_reason
 from ..distributed.workers import ShardSettings, ShardWorkers, WorkerSpec, start_shard_workers
 from ..errors import EngineDeadError, InvalidRequestError, is_device_fault
+from ..device import resolve_device
 from ..model import CausalLM, load_model
 from ..model.pointwise import EAGER_OPS, compiled_ops, pointwise_ops_of, set_pointwise_ops_
 from ..model.batch_invariant import batch_invariant_unsupported_reason, make_batch_invariant_
@@ -126,6 +127,16 @@ class LLMEngine:
         the config asks. `draft_model`: an already loaded draft for a "draft" `speculative_config` (else the
         engine loads the one the config names). `workers`: the other ranks of a tensor_parallel_size > 1 engine,
         when `model` is already rank 0's shard of their group (LLM(...) starts them; else the engine does)."""
+        self.workers: ShardWorkers | None = workers
+        try:
+            self._set_up(model, tokenizer, config, owns_model, draft_model)
+        except BaseException:
+            if self.workers is not None:  # given or started: a half-built engine leaves no worker behind
+                self.workers.close()
+            raise
+
+    def _set_up(self, model: CausalLM, tokenizer: Tokenizer | None, config: EngineConfig | None,
+                owns_model: bool, draft_model: CausalLM | None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
@@ -145,7 +156,7 @@ class LLMEngine:
         logger.info("attention backend: %s", self.attention_backend.name)
         # Batch invariance runs Triton kernels throughout where attention does (CUDA; the CPU's interpreter).
         self._invariant_triton = config.batch_invariant and self.attention_backend.name == "triton"
-        self.workers = self._tensor_parallel_workers(workers)  # before packing: the model is sharded first
+        self.workers = self._tensor_parallel_workers(self.workers)  # before packing: the model is sharded first
         if config.batch_invariant:
             reason = batch_invariant_unsupported_reason(model, triton=self._invariant_triton)
             if reason is not None:
@@ -181,7 +192,8 @@ class LLMEngine:
                                         self.profile, self.attention_backend)
         if self.workers is not None:
             self.workers.configure(ShardSettings(num_blocks, block_size, config.kv_cache_dtype,
-                                                 self.attention_backend.name, is_packed(model)))
+                                                 self.attention_backend.name, is_packed(model),
+                                                 pointwise_ops_of(model).name == "compiled"))
             self.model_runner.channel = self.workers.channel
         if wants_graphs:
             self._capture_graphs()
@@ -210,8 +222,9 @@ class LLMEngine:
         config = config or EngineConfig()
         workers = None
         if config.tensor_parallel_size > 1:
+            _check_tensor_parallel_budget(config, torch.device(resolve_device(device)))
             workers = start_shard_workers(model, config.tensor_parallel_size, device=device, dtype=dtype,
-                                          quantization=quantization)
+                                          quantization=quantization, timeout_s=config.tensor_parallel_timeout_s)
         try:
             loaded, tokenizer = load_model(model, device=device, dtype=dtype, quantization=quantization,
                                            tensor_parallel=workers.tp if workers is not None else None)
@@ -239,7 +252,9 @@ class LLMEngine:
                                  "this model has none: load it with load_model(...) or LLM(...)")
             if model.tp is not None:
                 raise ValueError("this model is already a shard: pass the workers that hold the other shards")
-            spec = WorkerSpec(model.source or None, model.device.type, str(model.dtype).removeprefix("torch."))
+            _check_tensor_parallel_budget(self.config, model.device)
+            spec = WorkerSpec(model.source or None, model.device.type, str(model.dtype).removeprefix("torch."),
+                              timeout_s=self.config.tensor_parallel_timeout_s)
             workers = ShardWorkers.start(spec, size)
             try:
                 shard_model_(model, workers.tp)
@@ -660,8 +675,11 @@ class LLMEngine:
         except Exception as error:
             if is_device_fault(error) or self.workers is not None:
                 # Sharded, a failed step leaves the ranks at different points of it: none can be retried.
-                self._die(error if self.workers is None or self.workers.check() is None
-                          else RuntimeError(self.workers.check()))
+                if self.workers is not None:
+                    self.workers.failed = True
+                    dead = self.workers.check()
+                    error = error if dead is None else RuntimeError(dead)
+                self._die(error)
             logger.exception("a step of %d requests failed; retrying them one at a time", len(batch.request_ids))
         result = ModelRunnerOutput()
         for part in batch.split_by_request():
@@ -697,3 +715,11 @@ class LLMEngine:
     def _record(self, batch: ScheduledBatch, start: float, end: float) -> None:
         items = [(it.seq.request_id, it.seq.index, it.num_new_tokens, it.is_prefill) for it in batch.items]
         self.step_records.append(StepRecord(self._num_steps, start, end - start, items))
+
+
+def _check_tensor_parallel_budget(config: EngineConfig, device: torch.device) -> None:
+    """On CUDA the KV budget comes from a profiled forward pass on rank 0 alone, which the other ranks would not
+    join: a tensor-parallel engine there needs the pool's size given."""
+    if device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory is None:
+        raise ValueError("tensor_parallel_size > 1 on CUDA needs num_kv_blocks or kv_cache_memory (the memory "
+                         "profile runs one rank's forward pass, not yet every rank's)")
