@@ -181,3 +181,18 @@ def test_an_idle_engine_outlasts_the_step_timeout(tiny_checkpoints) -> None:
         time.sleep(3)  # three times the timeout, idle
         again = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
     assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+
+
+def test_int4_shards_by_its_groups_and_int8_per_channel_is_refused() -> None:
+    """int4's groups of 32 input columns lie whole inside each rank's slice (192 of o's, 512 of down's at 3
+    ranks): the shards quantize as the whole model does, and give its tokens. One int8 scale per output channel
+    comes from a whole row, which no row-parallel rank holds: refused."""
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=0)
+    results = []
+    for size in (1, 3):
+        with LLM(dtype="float32", quantization="int4", kv_cache_memory=64 << 20, tensor_parallel_size=size,
+                 compile_model=False) as llm:
+            results.append(llm.generate(PROMPTS[:3], params, use_tqdm=False))
+    assert _compare(*results) < 1e-4
+    with pytest.raises(ValueError, match="one scale per output channel does not shard"):
+        LLM(dtype="float32", quantization="int8", kv_cache_memory=64 << 20, tensor_parallel_size=3)

@@ -80,6 +80,9 @@ def load_model_weights(
         raise ValueError("quantization='gguf' loads the GGUF's blocks whole and does not shard them over ranks; "
                          "use quantization='int4' (the same group size, quantized per shard) or none")
     folder = resolve_model_folder(name_or_path, cache_dir)
+    if sharded and quantization in ("int8", "int4"):
+        assert tensor_parallel is not None
+        _check_sharded_groups(read_model_config(folder), tensor_parallel.size, quantization, group_size)
     model = load_checkpoint(folder, device=resolved_device, dtype=resolved_dtype, tensor_parallel=tensor_parallel)
     if quantization == "gguf":
         load_gguf_linears_(model, find_bundled_gguf(), dtype=resolved_dtype)
@@ -88,6 +91,20 @@ def load_model_weights(
         quantize_linears_(model, quantization, group_size=group_size, dtype=resolved_dtype)
     model.source = "" if name_or_path is None else str(name_or_path)
     return model
+
+
+def _check_sharded_groups(config: ModelConfig, size: int, quantization: str, group_size: int | None) -> None:
+    """A quantized shard must quantize as the whole model does: its row-parallel layers (o, down) hold a slice of
+    each row's input columns, so their scales must come from groups that the slice holds whole."""
+    if quantization == "int8" and group_size is None:
+        raise ValueError("int8 with one scale per output channel does not shard: a row-parallel rank holds a slice "
+                         "of each row, whose scale comes from the whole row; use group_size=32 or int4")
+    group = group_size or 32
+    for name, width in (("o_proj", config.num_heads // size * config.head_dim),
+                        ("down_proj", config.intermediate_size // size)):
+        if width % group:
+            raise ValueError(f"{quantization} groups of {group} columns do not shard over {size} ranks: each holds "
+                             f"{width} of {name}'s input columns")
 
 
 def load_reason(device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
