@@ -136,10 +136,9 @@ class InputBuffers:
                                     count=len(sampling))
         num_sampling = int(rows_per_item.sum())
 
-        # One int64 buffer, in segments: ids, positions, slots (N each), logits rows (R), offsets (B + 1),
-        # lengths (B), block tables (B x width).
-        sizes = [num_tokens, num_tokens, num_tokens, num_sampling, num_seqs + 1, num_seqs, num_seqs * width]
-        bounds = np.cumsum([0, *sizes]).tolist()
+        # One int64 buffer, in the segments StepLayout names.
+        layout = StepLayout(num_tokens, num_sampling, num_seqs, width)
+        bounds = layout.bounds
         if bounds[-1] > self.capacity:
             self._allocate(max(bounds[-1], 2 * self.capacity))
         self._turn = (self._turn + 1) % len(self._hosts)
@@ -167,7 +166,6 @@ class InputBuffers:
         if device is not buffer.tensor:  # one copy to the device for the whole step
             device[: bounds[-1]].copy_(buffer.tensor[: bounds[-1]], non_blocking=True)
             buffer.copied = self._record_copy()
-        layout = StepLayout(num_tokens, num_sampling, num_seqs, width)
         return assemble_model_input(device, host, layout, self.block_size,
                                     tuple(tuple(item.block_table) for item in items), sampling)
 

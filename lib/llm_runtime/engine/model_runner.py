@@ -246,7 +246,6 @@ class ModelRunner:
         if entries:
             output.prompt_logprobs.append((seq, item.start, entries))
 
-
     @staticmethod
     def _prompt_rows(item: ScheduledSequence) -> int:
         """How many of a prefill chunk's positions predict a prompt token (the last prompt token predicts none)."""
