@@ -886,6 +886,86 @@ def rows_invariant_one_row_at_a_time_only(fn, x: torch.Tensor, chunk_sizes: tupl
     """Tries chunks of one row only, whatever chunk_sizes says."""
     return torch.equal(torch.cat([fn(x[i : i + 1]) for i in range(len(x))]), fn(x))
 
+
+# ------------------------------------------------------------------------------------------ lesson 17
+
+
+def parallel_product(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, size: int) -> list[torch.Tensor]:
+    width = a.shape[1] // size
+    return [x @ a[:, r * width : (r + 1) * width] @ b[r * width : (r + 1) * width] for r in range(size)]
+
+
+def parallel_product_rows_of_a(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """Cuts a by rows (and x by columns) instead: partial sums of x @ a, each times the whole b. They also sum to
+    x @ a @ b, but every rank holds all of b, and the partials are not the ranks' column-then-row ones."""
+    width = a.shape[0] // size if a.shape[0] % size == 0 else a.shape[0]
+    parts = [x[:, r * width : (r + 1) * width] @ a[r * width : (r + 1) * width] @ b for r in range(a.shape[0] // width)]
+    return parts + [torch.zeros_like(parts[0])] * (size - len(parts))
+
+
+def parallel_product_interleaved(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """Gives rank r every size-th column (r, r + size, ...): a valid split, but not the contiguous blocks."""
+    return [x @ a[:, r::size] @ b[r::size] for r in range(size)]
+
+
+def kv_heads_for_rank(num_heads: int, num_kv_heads: int, size: int, rank: int) -> list[int]:
+    per_rank = num_heads // size
+    group = num_heads // num_kv_heads
+    return sorted({q // group for q in range(rank * per_rank, (rank + 1) * per_rank)})
+
+
+def kv_heads_for_rank_round_robin(num_heads: int, num_kv_heads: int, size: int, rank: int) -> list[int]:
+    """Deals the KV heads out like cards when there are too few: rank r gets head r mod num_kv_heads, which
+    its query heads do not read."""
+    if num_kv_heads >= size:
+        per_rank = num_kv_heads // size
+        return list(range(rank * per_rank, (rank + 1) * per_rank))
+    return [rank % num_kv_heads]
+
+
+def kv_heads_for_rank_split_like_the_queries(num_heads: int, num_kv_heads: int, size: int, rank: int) -> list[int]:
+    """Cuts the KV heads in blocks of num_kv_heads // size, which is 0 heads when there are fewer than ranks."""
+    per_rank = num_kv_heads // size
+    return list(range(rank * per_rank, (rank + 1) * per_rank))
+
+
+def ring_all_reduce(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    n = len(parts)
+    chunks = [list(p.clone().chunk(n)) for p in parts]
+    sent = [0] * n
+    for step in range(n - 1):
+        messages = [(r, (r - step) % n, chunks[r][(r - step) % n].clone()) for r in range(n)]
+        for r, c, values in messages:
+            chunks[(r + 1) % n][c] = chunks[(r + 1) % n][c] + values
+            sent[r] += values.numel()
+    for step in range(n - 1):
+        messages = [(r, (r + 1 - step) % n, chunks[r][(r + 1 - step) % n].clone()) for r in range(n)]
+        for r, c, values in messages:
+            chunks[(r + 1) % n][c] = values
+            sent[r] += values.numel()
+    return [torch.cat(c) for c in chunks], sent
+
+
+def ring_all_reduce_reduce_scatter_only(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """Stops after the reduce-scatter: each rank holds one finished chunk and partial sums elsewhere."""
+    n = len(parts)
+    chunks = [list(p.clone().chunk(n)) for p in parts]
+    sent = [0] * n
+    for step in range(n - 1):
+        messages = [(r, (r - step) % n, chunks[r][(r - step) % n].clone()) for r in range(n)]
+        for r, c, values in messages:
+            chunks[(r + 1) % n][c] = chunks[(r + 1) % n][c] + values
+            sent[r] += values.numel()
+    return [torch.cat(c) for c in chunks], sent
+
+
+def ring_all_reduce_whole_tensors(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """Passes whole tensors round the ring (n - 1 hops each way): the right sums, at n / 2 times the traffic."""
+    n = len(parts)
+    total = sum(p.clone() for p in parts)
+    return [total.clone() for _ in range(n)], [2 * (n - 1) * parts[0].numel()] * n
+
+
 SOLUTIONS: dict[str, Callable] = {
     "lesson01.rms_norm": rms_norm,
     "lesson01.kv_bytes_per_token": kv_bytes_per_token,
@@ -925,6 +1005,9 @@ SOLUTIONS: dict[str, Callable] = {
     "lesson15.forced_text": forced_text,
     "lesson16.blocked_sum": blocked_sum,
     "lesson16.rows_invariant": rows_invariant,
+    "lesson17.parallel_product": parallel_product,
+    "lesson17.kv_heads_for_rank": kv_heads_for_rank,
+    "lesson17.ring_all_reduce": ring_all_reduce,
 }
 
 WRONG: dict[str, list[Callable]] = {
@@ -969,4 +1052,7 @@ WRONG: dict[str, list[Callable]] = {
     "lesson15.forced_text": [forced_text_past_a_match, forced_text_one_byte],
     "lesson16.blocked_sum": [blocked_sum_in_float64, blocked_sum_ignoring_the_blocks],
     "lesson16.rows_invariant": [rows_invariant_to_rounding, rows_invariant_one_row_at_a_time_only],
+    "lesson17.parallel_product": [parallel_product_rows_of_a, parallel_product_interleaved],
+    "lesson17.kv_heads_for_rank": [kv_heads_for_rank_round_robin, kv_heads_for_rank_split_like_the_queries],
+    "lesson17.ring_all_reduce": [ring_all_reduce_reduce_scatter_only, ring_all_reduce_whole_tensors],
 }

@@ -7,8 +7,10 @@ Both go through torch.distributed: gloo between CPU processes, NCCL between GPUs
 moves, so lesson 17 can set them against the arithmetic (2 all-reduces per layer x hidden size x bytes per token).
 
 `init_tensor_parallel` joins the process group at a TCP store: an explicit address (the engine's workers on one
-host) or the variables torchrun sets (MASTER_ADDR, MASTER_PORT; RANK and WORLD_SIZE give rank and size), which
-also spans machines.
+host) or the variables torchrun sets (MASTER_ADDR, MASTER_PORT; RANK and WORLD_SIZE give rank and size when
+they are not passed), which also spans machines: `torchrun --nnodes 2 --nproc-per-node 4 --master-addr node0
+--master-port 29500 script.py` on each machine, and `init_tensor_parallel(device=f"cuda:{local_rank}")` in
+script.py (tests/distributed/test_torchrun.py runs it on loopback).
 """
 
 from __future__ import annotations
@@ -110,11 +112,18 @@ class TensorParallelGroup:
                         continue
 
 
-def init_tensor_parallel(rank: int, size: int, device: torch.device | str = "cpu", host: str | None = None,
-                         port: int | None = None, timeout_s: float = 60.0) -> TensorParallelGroup:
+def init_tensor_parallel(rank: int | None = None, size: int | None = None, device: torch.device | str = "cpu",
+                         host: str | None = None, port: int | None = None, timeout_s: float = 60.0
+                         ) -> TensorParallelGroup:
     """Join (at rank 0: open) a process group of `size` ranks and return this rank's TensorParallelGroup: gloo
     on the CPU, NCCL on CUDA (one GPU per rank). The ranks meet at a TCP store on `host`:`port`, rank 0's;
-    without them, at MASTER_ADDR:MASTER_PORT, as torchrun sets them (which also spans machines)."""
+    without them, at MASTER_ADDR:MASTER_PORT, and without `rank` and `size`, RANK and WORLD_SIZE: what torchrun
+    sets in every process it starts, on one machine or several."""
+    if rank is None or size is None:
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise ValueError("pass rank and size, or set RANK and WORLD_SIZE (torchrun sets them)")
+        rank = int(os.environ["RANK"]) if rank is None else rank
+        size = int(os.environ["WORLD_SIZE"]) if size is None else size
     device = torch.device(device)
     if size == 1:
         return TensorParallelGroup(0, 1)
@@ -124,7 +133,9 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device | str = "cpu
         raise ValueError("a process group needs its rendezvous: pass host and port, or set MASTER_ADDR and "
                          "MASTER_PORT")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size=size, is_master=rank == 0, timeout=timeout)
+    # Under torchrun the store already runs in its agent, at MASTER_PORT: every rank joins it as a client.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(host, port, world_size=size, is_master=rank == 0 and not agent_store, timeout=timeout)
     compute_store, control_store = dist.PrefixStore("compute", store), dist.PrefixStore("control", store)
     if device.type == "cuda":
         # A failed collective aborts the communicator and raises, instead of ending the process (NCCL's default),

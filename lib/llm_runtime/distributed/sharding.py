@@ -95,14 +95,15 @@ class Shard:
         return torch.Size(shape)
 
 
-def _heads(config: ModelConfig, rank: int, size: int) -> tuple[range, range]:
-    """This rank's query heads and KV heads (module docstring)."""
-    per_rank = config.num_heads // size
+def heads_of_rank(num_heads: int, num_kv_heads: int, rank: int, size: int) -> tuple[range, range]:
+    """The query heads and the KV heads rank `rank` of `size` holds (module docstring), for a shape that
+    splits (tensor_parallel_unsupported_reason)."""
+    per_rank = num_heads // size
     queries = range(rank * per_rank, (rank + 1) * per_rank)
-    if config.num_kv_heads >= size:
-        kv_per_rank = config.num_kv_heads // size
+    if num_kv_heads >= size:
+        kv_per_rank = num_kv_heads // size
         return queries, range(rank * kv_per_rank, (rank + 1) * kv_per_rank)
-    kv = rank * config.num_kv_heads // size  # replicated: the one KV head this rank's query heads read
+    kv = rank * num_kv_heads // size  # replicated: the one KV head this rank's query heads read
     return queries, range(kv, kv + 1)
 
 
@@ -120,7 +121,7 @@ def plan_shards(config: ModelConfig, rank: int, size: int) -> dict[str, Shard]:
         raise ValueError(reason)
     if size == 1:
         return {}
-    queries, kvs = _heads(config, rank, size)
+    queries, kvs = heads_of_rank(config.num_heads, config.num_kv_heads, rank, size)
     d = config.head_dim
     inner = config.intermediate_size // size
     first, stop, rows = vocab_rows(config, rank, size)
