@@ -313,8 +313,7 @@ class EngineConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ValueError(f"tensor_parallel_timeout_s must be a number of seconds > 0, got {timeout!r}")
         if size > 1:
-            clashes = [name for name, value in (("compile_model", self.compile_model),
-                                                ("cuda_graphs", self.cuda_graphs)) if value]
+            clashes = ["cuda_graphs"] if self.cuda_graphs else []
             if self.kv_cache_dtype != "auto":
                 clashes.append(f"kv_cache_dtype={self.kv_cache_dtype!r}")
             if self.batch_invariant:

@@ -87,6 +87,29 @@ def test_tiny_models_at_2_ranks_give_one_ranks_tokens(tiny_checkpoints, family: 
     assert _compare(*results) < 1e-4
 
 
+def test_the_compiled_forward_at_2_ranks_gives_one_ranks_tokens(tiny_checkpoints) -> None:
+    """compile_model=True at 2 ranks: every rank compiles its graph, with the collectives as operators in it, and
+    runs the steps rank 0 runs compiled (chunks that sample nothing among them), the others eagerly (prompt
+    logprobs); with chunked prefill, prefix hits, preemption and n-gram speculation, one rank's tokens."""
+    long_prompt = [5, 17, 3, 42, 8, 11, 60, 96, 0, 50] * 3
+    prompts = [{"prompt_token_ids": ids} for ids in (long_prompt, [1, 2, 3, 4] * 4, long_prompt, [7, 7, 8, 9])]
+    params = [SamplingParams(temperature=0, max_tokens=24, logprobs=0, ignore_eos=True,
+                             prompt_logprobs=0 if i == 1 else None) for i in range(len(prompts))]
+    options = dict(num_kv_blocks=12, block_size=8, max_num_batched_tokens=16, max_num_seqs=4,
+                   enable_prefix_caching=True, speculative_config=NGRAM)
+    results, stats = [], []
+    for size, compiled in ((1, False), (2, True)):
+        model, _ = _tiny(tiny_checkpoints["llama3"])
+        with LLM.from_model(model, None, tensor_parallel_size=size, compile_model=compiled, **options) as llm:
+            results.append(llm.generate(prompts, params, use_tqdm=False))
+            stats.append((llm.llm_engine.stats(), llm.llm_engine.scheduler.num_preemptions,
+                          llm.llm_engine.scheduler.num_prefix_hit_tokens))
+    engine_stats, preemptions, prefix_hits = stats[1]
+    assert engine_stats.compiled_model and engine_stats.num_compiled_steps > 0
+    assert preemptions > 0 and prefix_hits > 0 and engine_stats.num_draft_tokens > 0
+    assert _compare(*results) < 1e-4
+
+
 def _tiny(folder):
     from llm_runtime.model.loader import load_model_weights
 
@@ -96,8 +119,8 @@ def _tiny(folder):
 def test_what_does_not_split_or_run_yet_is_refused(tiny_checkpoints) -> None:
     with pytest.raises(ValueError, match="4 attention heads do not divide over 3"):
         LLM.from_model(_tiny(tiny_checkpoints["llama3"])[0], None, tensor_parallel_size=3, num_kv_blocks=8)
-    with pytest.raises(ValueError, match="does not run yet with compile_model"):
-        EngineConfig(tensor_parallel_size=2, compile_model=True)
+    with pytest.raises(ValueError, match="does not run yet with cuda_graphs"):
+        EngineConfig(tensor_parallel_size=2, cuda_graphs=True)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         EngineConfig(tensor_parallel_size=0)
     model = _tiny(tiny_checkpoints["llama3"])[0]

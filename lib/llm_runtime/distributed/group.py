@@ -6,6 +6,12 @@ slices side by side where the sampler runs (`gather_to_first`: the logits of the
 Both go through torch.distributed: gloo between CPU processes, NCCL between GPUs. The group counts the bytes it
 moves, so lesson 17 can set them against the arithmetic (2 all-reduces per layer x hidden size x bytes per token).
 
+Both collectives are PyTorch operators (`llm_runtime::tp_all_reduce_`, `llm_runtime::tp_gather_to_first`), so a
+compiled forward pass (engine/compiled_forward.py) keeps each as one node of its graph, which calls back into
+the group when it runs; an operator names its group by the group's `handle`, an integer, since an operator takes
+no Python objects. The handles are looked up in `_LIVE_GROUPS`, this module's one piece of process-wide state
+(torch.distributed keeps the same kind of registry for its own groups), which holds the groups only weakly.
+
 `init_tensor_parallel` joins the process group at a TCP store: an explicit address (the engine's workers on one
 host) or the variables torchrun sets (MASTER_ADDR, MASTER_PORT; RANK and WORLD_SIZE give rank and size when
 they are not passed), which also spans machines: `torchrun --nnodes 2 --nproc-per-node 4 --master-addr node0
@@ -15,8 +21,12 @@ script.py (tests/distributed/test_torchrun.py runs it on loopback).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import itertools
 import os
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -46,17 +56,23 @@ class TensorParallelGroup:
 
     rank: int
     size: int
-    group: dist.ProcessGroup | None = None
-    counts: CommunicationCounts = field(default_factory=CommunicationCounts)
+    group: dist.ProcessGroup | None = field(default=None, repr=False)
+    counts: CommunicationCounts = field(default_factory=CommunicationCounts, repr=False)
     # Gloo over the same store, with no practical timeout: where the other ranks wait for rank 0's next step,
     # however long the engine stays idle (the compute group's timeout catches a hung rank mid-step).
-    control: dist.ProcessGroup | None = None
+    control: dist.ProcessGroup | None = field(default=None, repr=False)
+    handle: int = field(init=False, default=0)  # how the operators name this group (module docstring)
+    # A collective's timeout while `patient()`: ranks that compile their forward pass reach its first collective
+    # as far apart as their compilers take.
+    _patient_timeout: datetime.timedelta | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
             raise ValueError(f"rank {self.rank} is not in a group of {self.size}")
         if self.size > 1 and self.group is None:
             raise ValueError(f"a group of {self.size} ranks needs a torch.distributed process group")
+        self.handle = next(_HANDLES)
+        _LIVE_GROUPS[self.handle] = self
 
     @property
     def is_first(self) -> bool:
@@ -65,28 +81,47 @@ class TensorParallelGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of every rank's `x` (same shape everywhere), in place; returns it."""
-        if self.size == 1:
-            return x
-        self.counts.all_reduces += 1
-        self.counts.all_reduce_bytes += x.numel() * x.element_size()
-        assert self.group is not None
-        self.group.allreduce([x]).wait()
+        if self.size > 1:
+            torch.ops.llm_runtime.tp_all_reduce_(x, self.handle)
         return x
 
     def gather_to_first(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x (..., n) side by side on rank 0: (..., size * n) there, in rank order; the other ranks
-        get their own x back (they have no use for the whole)."""
+        get a copy of their own x back (they have no use for the whole)."""
         if self.size == 1:
             return x
+        return torch.ops.llm_runtime.tp_gather_to_first(x, self.handle)
+
+    @contextlib.contextmanager
+    def patient(self, timeout_s: float = 3600.0) -> Iterator[None]:
+        """Collectives inside wait up to `timeout_s` for the other ranks, instead of the group's step timeout."""
+        self._patient_timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            yield
+        finally:
+            self._patient_timeout = None
+
+    def _all_reduce_now(self, x: torch.Tensor) -> None:
+        assert self.group is not None
+        self.counts.all_reduces += 1
+        self.counts.all_reduce_bytes += x.numel() * x.element_size()
+        options = dist.AllreduceOptions()
+        if self._patient_timeout is not None:
+            options.timeout = self._patient_timeout
+        self.group.allreduce([x], options).wait()
+
+    def _gather_now(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.group is not None
         self.counts.gathers += 1
         self.counts.gather_bytes += x.numel() * x.element_size()
-        assert self.group is not None
         x = x.contiguous()
         options = dist.GatherOptions()
         options.rootRank = 0
+        if self._patient_timeout is not None:
+            options.timeout = self._patient_timeout
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_first else []
         self.group.gather([parts] if self.is_first else [], [x], options).wait()
-        return torch.cat(parts, dim=-1) if self.is_first else x
+        return torch.cat(parts, dim=-1) if self.is_first else x.clone()
 
     def broadcast_from_first(self, x: torch.Tensor, control: bool = False) -> torch.Tensor:
         """Rank 0's x on every rank (the same shape and dtype everywhere), in place; returns it. `control`: over the
@@ -135,7 +170,10 @@ def init_tensor_parallel(rank: int | None = None, size: int | None = None, devic
     timeout = datetime.timedelta(seconds=timeout_s)
     # Under torchrun the store already runs in its agent, at MASTER_PORT: every rank joins it as a client.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(host, port, world_size=size, is_master=rank == 0 and not agent_store, timeout=timeout)
+    # The rendezvous waits for ranks still starting (a spawned interpreter imports torch: seconds on a busy host),
+    # whatever a step's collectives may wait.
+    rendezvous = max(timeout, datetime.timedelta(seconds=120))
+    store = dist.TCPStore(host, port, world_size=size, is_master=rank == 0 and not agent_store, timeout=rendezvous)
     compute_store, control_store = dist.PrefixStore("compute", store), dist.PrefixStore("control", store)
     if device.type == "cuda":
         # A failed collective aborts the communicator and raises, instead of ending the process (NCCL's default),
@@ -152,3 +190,32 @@ def init_tensor_parallel(rank: int | None = None, size: int | None = None, devic
         group = dist.ProcessGroupGloo(compute_store, rank, size, timeout)
     control = dist.ProcessGroupGloo(control_store, rank, size, datetime.timedelta(days=365))
     return TensorParallelGroup(rank, size, group, control=control)
+
+
+_HANDLES = itertools.count(1)
+_LIVE_GROUPS: weakref.WeakValueDictionary[int, TensorParallelGroup] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("llm_runtime::tp_all_reduce_", mutates_args=("x",))
+def _all_reduce_op(x: torch.Tensor, handle: int) -> None:
+    """x summed over the ranks of the group `handle` names, in place."""
+    _LIVE_GROUPS[handle]._all_reduce_now(x)
+
+
+@_all_reduce_op.register_fake
+def _(x: torch.Tensor, handle: int) -> None:
+    return None
+
+
+@torch.library.custom_op("llm_runtime::tp_gather_to_first", mutates_args=())
+def _gather_op(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """Every rank's x side by side on rank 0 (..., size * n); elsewhere a copy of x."""
+    return _LIVE_GROUPS[handle]._gather_now(x)
+
+
+@_gather_op.register_fake
+def _(x: torch.Tensor, handle: int) -> torch.Tensor:
+    group = _LIVE_GROUPS[handle]
+    if group.is_first:
+        return x.new_empty((*x.shape[:-1], group.size * x.shape[-1]))
+    return torch.empty_like(x)

@@ -1,7 +1,8 @@
 """How a step's inputs reach the other ranks (lesson 17): rank 0 schedules, every rank computes.
 
 Rank 0's input buffers (engine/input_batch.py) already hold a step's integers in one int64 buffer. Per step rank 0
-broadcasts a fixed header (the kind of message and the segment sizes), then one payload: that buffer's used
+broadcasts a fixed header (the kind of message, the segment sizes, and whether the step runs as the compiled
+forward pass), then one payload: that buffer's used
 prefix, each block table's length, the step's copy-on-write block pairs, and the rows whose logits the step
 computes for prompt logprobs. Every other rank rebuilds the same ModelInput from it (`assemble_model_input`), so
 all ranks run the same forward pass and the same sequence of `compute_logits` calls, in which their collectives
@@ -22,7 +23,7 @@ from ..engine.input_batch import StepLayout
 from .group import TensorParallelGroup
 
 STEP, STOP, CONFIGURE = 1, 2, 3
-_HEADER = 8  # kind, num_tokens, num_sampling, num_seqs, width, num_copies, num_prompt_rows, samples
+_HEADER = 9  # kind, num_tokens, num_sampling, num_seqs, width, num_copies, num_prompt_rows, samples, compiled
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class StepMessage:
     block_copies: list[tuple[int, int]]
     prompt_rows: list[tuple[int, int]]  # (first row, rows) of each item whose prompt logprobs this step computes
     samples: bool  # whether the step computes logits for its sampled rows
+    compiled: bool = False  # whether rank 0 runs it as the compiled forward pass (every rank then does)
 
 
 class StepChannel:
@@ -53,13 +55,14 @@ class StepChannel:
         return self.tp.broadcast_from_first(header, control=True)
 
     def send_step(self, layout: StepLayout, host: torch.Tensor, block_tables: tuple[tuple[int, ...], ...],
-                  block_copies: list[tuple[int, int]], prompt_rows: list[tuple[int, int]], samples: bool) -> None:
+                  block_copies: list[tuple[int, int]], prompt_rows: list[tuple[int, int]], samples: bool,
+                  compiled: bool = False) -> None:
         """Rank 0: the step whose buffer `host` holds (its first layout.bounds[-1] entries)."""
         used = layout.bounds[-1]
         extras = np.array([len(t) for t in block_tables] + [x for pair in block_copies for x in pair]
                           + [x for pair in prompt_rows for x in pair], dtype=np.int64)
         header = torch.tensor([STEP, layout.num_tokens, layout.num_sampling, layout.num_seqs, layout.width,
-                               len(block_copies), len(prompt_rows), int(samples)], dtype=torch.int64)
+                               len(block_copies), len(prompt_rows), int(samples), int(compiled)], dtype=torch.int64)
         self._broadcast_header(header)
         payload = torch.cat([host[:used].cpu(), torch.from_numpy(extras)])
         self._broadcast(payload.to(self.device))
@@ -87,7 +90,7 @@ class StepChannel:
         if kind != STEP:
             raise RuntimeError(f"unknown step message kind {kind}")
         layout = StepLayout(*header[1:5])
-        num_copies, num_prompt_rows, samples = header[5:8]
+        num_copies, num_prompt_rows, samples, compiled = header[5:9]
         used = layout.bounds[-1]
         size = used + layout.num_seqs + 2 * num_copies + 2 * num_prompt_rows
         payload = self._broadcast(torch.empty(size, dtype=torch.int64, device=self.device))
@@ -99,4 +102,5 @@ class StepChannel:
         copies = [(rest[2 * i], rest[2 * i + 1]) for i in range(num_copies)]
         rest = rest[2 * num_copies :]
         prompt_rows = [(rest[2 * i], rest[2 * i + 1]) for i in range(num_prompt_rows)]
-        return StepMessage(layout, payload[:used], host[:used], block_tables, copies, prompt_rows, bool(samples))
+        return StepMessage(layout, payload[:used], host[:used], block_tables, copies, prompt_rows, bool(samples),
+                           bool(compiled))

@@ -56,6 +56,7 @@ class ShardSettings:
     attention_backend: str
     prepack_weights: bool
     compile_pointwise: bool = False  # the layers' pointwise parts through torch.compile, as rank 0 runs them
+    compile_model: bool = False  # the forward pass compiled (engine/compiled_forward.py) for the steps rank 0 says
 
 
 def _die_with_parent() -> None:
@@ -114,6 +115,15 @@ class ShardWorker:
         kv_cache = PagedKVCache.for_model(model.config, settings.num_blocks, settings.block_size, dtype=model.dtype,
                                           device=model.device, kv_cache_dtype=settings.kv_cache_dtype)
         backend = select_backend(settings.attention_backend, model.device, model.dtype, None, settings.block_size)
+        compiled = None
+        if settings.compile_model:  # as rank 0's engine does it, at the same point: the warm-up's collectives meet
+            from ..engine.compiled_forward import CompiledForward
+            from ..model.pointwise import EAGER_OPS, set_pointwise_ops_
+
+            set_pointwise_ops_(model, EAGER_OPS)
+            compiled = CompiledForward(model, kv_cache, backend)
+            with self.tp.patient():  # the ranks' compilers finish at different times
+                compiled.warm_up()
         with torch.inference_mode():
             while (message := self.channel.receive()) is not None:
                 assert isinstance(message, StepMessage)
@@ -121,6 +131,10 @@ class ShardWorker:
                 step = assemble_model_input(message.buffer.to(model.device), message.host, message.layout,
                                             settings.block_size, message.block_tables_host, ())
                 kv = PagedAttentionStep(kv_cache, backend, step.metadata)
+                if message.compiled:
+                    if compiled is None or compiled.run(step, kv) is None:
+                        raise RuntimeError("rank 0 ran a step compiled that this rank cannot run compiled")
+                    continue
                 hidden = model(step.input_ids, kv, step.positions)  # (1, N, hidden), the same on every rank
                 for first, rows in message.prompt_rows:  # the same calls as rank 0's, so the gathers meet
                     for begin in range(0, rows, PROMPT_LOGPROB_ROWS):

@@ -118,9 +118,15 @@ class CompiledForward:
         hidden = self.model(input_ids, attention, positions)  # type: ignore[arg-type]  # (1, N, hidden)
         return self.model.compute_logits(hidden[0, logits_indices])  # (R, vocab)
 
-    def run(self, model_input: ModelInput, step: PagedAttentionStep) -> torch.Tensor | None:
-        """The step's logits (R, vocab) from the graph; None when its attention cannot run compiled."""
-        plan = self.backend.compiled_inputs(step.plan, self.kv_cache.num_blocks)
+    def plan_for(self, step: PagedAttentionStep) -> tuple[torch.Tensor, ...] | None:
+        """The step's attention plan as the graph reads it; None when its attention cannot run compiled."""
+        return self.backend.compiled_inputs(step.plan, self.kv_cache.num_blocks)
+
+    def run(self, model_input: ModelInput, step: PagedAttentionStep,
+            plan: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor | None:
+        """The step's logits (R, vocab) from the graph; None when its attention cannot run compiled. `plan`: the
+        step's `plan_for`, when the caller has made it."""
+        plan = plan if plan is not None else self.plan_for(step)
         if plan is None:
             return None
         logits = self._call(model_input.input_ids, model_input.positions, model_input.metadata.slot_mapping,

@@ -19,10 +19,11 @@ reports both, with the scheduler's preemption and prefix-cache counters.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import warnings
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,14 +191,15 @@ class LLMEngine:
         self.profile = StepProfile()  # where step time goes (lesson 09, bench)
         self.model_runner = ModelRunner(model, Sampler(seed=config.seed, device=model.device), self.kv_cache,
                                         self.profile, self.attention_backend)
+        wants_compiled = self._wants_compiled_forward(owns_model)
         if self.workers is not None:
             self.workers.configure(ShardSettings(num_blocks, block_size, config.kv_cache_dtype,
                                                  self.attention_backend.name, is_packed(model),
-                                                 pointwise_ops_of(model).name == "compiled"))
+                                                 pointwise_ops_of(model).name == "compiled", wants_compiled))
             self.model_runner.channel = self.workers.channel
         if wants_graphs:
             self._capture_graphs()
-        if self._wants_compiled_forward(owns_model):
+        if wants_compiled:
             self._compile_forward()
         self.input_processor = InputProcessor(tokenizer, model.config, config, context_len=context_len,
                                               max_model_len=self.max_model_len, num_kv_blocks=num_blocks)
@@ -353,10 +355,14 @@ class LLMEngine:
 
     def _wants_compiled_forward(self, owns_model: bool) -> bool:
         """Whether steps run as one compiled forward pass (compiled_forward.py): when the config says True, or
-        says None and the engine owns a CPU model whose attention backend allows it; never with enforce_eager."""
-        if self.config.batch_invariant or self.config.tensor_parallel_size > 1:
-            return False  # the config refuses compile_model=True with either
+        says None and the engine owns a CPU model whose attention backend allows it; never with enforce_eager.
+        With tensor_parallel_size > 1 only when it says True: every rank compiles its own graph, at once (on a
+        small CPU the ranks' compilers share its cores for minutes)."""
+        if self.config.batch_invariant:
+            return False  # the config refuses compile_model=True with it
         wanted = self.config.compile_model
+        if wanted is None and self.config.tensor_parallel_size > 1:
+            return False
         reason = compiled_forward_unavailable_reason(self.attention_backend, self.config.kv_cache_dtype)
         if wanted is None:
             return (owns_model and self.model.device.type == "cpu" and reason is None and not self.config.enforce_eager
@@ -371,7 +377,9 @@ class LLMEngine:
         set_pointwise_ops_(self.model, EAGER_OPS)
         compiled = CompiledForward(self.model, self.kv_cache, self.attention_backend)
         started = time.perf_counter()
-        compiled.warm_up()
+        # The warm-up's collectives meet the workers' (workers.py), whose compilers finish when they do.
+        with self.workers.tp.patient() if self.workers is not None else contextlib.nullcontext():
+            compiled.warm_up()
         logger.info("compiled the forward pass in %.1f s", time.perf_counter() - started)
         self.model_runner.compiled = compiled
 

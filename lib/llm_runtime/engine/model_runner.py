@@ -124,9 +124,7 @@ class ModelRunner:
         started = time.perf_counter()
         self.kv_cache.copy_blocks(batch.block_copies)  # copy-on-write, before anyone writes this step
         model_input = self.inputs.prepare(batch)  # persistent buffers, one copy to the device (input_batch.py)
-        if self.channel is not None:
-            self._send_step(batch, model_input)
-        if self.graphs is not None and self.graphs.can_run(model_input):
+        if self.graphs is not None and self.channel is None and self.graphs.can_run(model_input):
             prepared = time.perf_counter()
             self.profile.prepare += prepared - started
             logits = self.graphs.run(model_input)  # (R, vocab): the whole forward pass in one replay
@@ -138,11 +136,16 @@ class ModelRunner:
         sampling = model_input.sampling_items
         wants_prompt_logprobs = any(item.is_prefill and item.seq.params.prompt_logprobs is not None
                                     for item in batch.items)  # they need every position's hidden state
-        if self.compiled is not None and not wants_prompt_logprobs:
-            logits = self.compiled.run(model_input, kv)  # (R, vocab), or None: this step's attention cannot
-            if logits is not None:
-                self.profile.forward += time.perf_counter() - prepared
-                return self._sample(batch, sampling, logits, ModelRunnerOutput()) if sampling else ModelRunnerOutput()
+        # None: the step runs eagerly (nothing compiled, prompt logprobs wanted, or attention the graph cannot run).
+        plan = self.compiled.plan_for(kv) if self.compiled is not None and not wants_prompt_logprobs else None
+        if self.channel is not None:  # the other ranks run the step the same way, compiled or not
+            self._send_step(batch, model_input, compiled=plan is not None)
+        if plan is not None:
+            assert self.compiled is not None
+            logits = self.compiled.run(model_input, kv, plan)  # (R, vocab)
+            assert logits is not None
+            self.profile.forward += time.perf_counter() - prepared
+            return self._sample(batch, sampling, logits, ModelRunnerOutput()) if sampling else ModelRunnerOutput()
         hidden = self.model(model_input.input_ids, kv, model_input.positions)  # (1, N, hidden)
 
         output = ModelRunnerOutput()
@@ -158,13 +161,15 @@ class ModelRunner:
         self.profile.forward += time.perf_counter() - prepared
         return self._sample(batch, sampling, logits, output)
 
-    def _send_step(self, batch: ScheduledBatch, model_input: ModelInput) -> None:
-        """The step to the other ranks: its buffer, and which logits it computes, in the order this rank will."""
+    def _send_step(self, batch: ScheduledBatch, model_input: ModelInput, compiled: bool) -> None:
+        """The step to the other ranks: its buffer, whether it runs compiled, and which logits it computes, in the
+        order this rank will."""
         assert self.channel is not None and model_input.layout is not None
         prompt_rows = [(offset, self._prompt_rows(item)) for item, offset in zip(batch.items, model_input.query_start_host)
                        if item.is_prefill and item.seq.params.prompt_logprobs is not None]
         self.channel.send_step(model_input.layout, self.inputs.host, model_input.metadata.block_tables_host,
-                               batch.block_copies, prompt_rows, samples=bool(model_input.sampling_items))
+                               batch.block_copies, prompt_rows, samples=bool(model_input.sampling_items),
+                               compiled=compiled)
 
     def _sample(self, batch: ScheduledBatch, sampling: tuple[int, ...], logits: torch.Tensor,
                 output: ModelRunnerOutput) -> ModelRunnerOutput:
