@@ -314,8 +314,6 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_timeout_s must be a number of seconds > 0, got {timeout!r}")
         if size > 1:
             clashes = ["cuda_graphs"] if self.cuda_graphs else []
-            if self.kv_cache_dtype != "auto":
-                clashes.append(f"kv_cache_dtype={self.kv_cache_dtype!r}")
             if self.batch_invariant:
                 clashes.append("batch_invariant=True")
             if clashes:

@@ -1,7 +1,7 @@
 """The engine at tensor_parallel_size > 1 (distributed/workers.py, lesson 17), on gloo ranks on the CPU, in float32:
 the same greedy tokens as one rank and logprobs within 1e-4, with chunked prefill, prefix caching, preemption,
 n-gram speculation and prompt logprobs on; the bundled model at 3 ranks, tiny models of every family at 2 (one
-with a single KV head, replicated). Refusals, and faults: a worker killed mid-run makes the engine dead within
+with a single KV head, replicated); the compiled forward pass, a draft model and 8-bit KV pools at 2 ranks. Refusals, and faults: a worker killed mid-run makes the engine dead within
 seconds (its requests fail, nothing hangs), and no worker outlives the engine, even when the parent is killed."""
 
 from __future__ import annotations
@@ -108,6 +108,50 @@ def test_the_compiled_forward_at_2_ranks_gives_one_ranks_tokens(tiny_checkpoints
     assert engine_stats.compiled_model and engine_stats.num_compiled_steps > 0
     assert preemptions > 0 and prefix_hits > 0 and engine_stats.num_draft_tokens > 0
     assert _compare(*results) < 1e-4
+
+
+def test_a_draft_model_drafts_on_rank_0_for_a_sharded_target(tiny_checkpoints) -> None:
+    """Draft-model speculation at 2 ranks: the draft runs whole on rank 0 (its own pool, no collectives), the
+    sharded target verifies; one rank's tokens, every draft accepted (the draft is the target's own weights)."""
+    from llm_runtime.engine.engine import LLMEngine
+
+    folder = tiny_checkpoints["llama3"]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    results = []
+    for size in (1, 2):
+        engine = LLMEngine(_tiny(folder)[0], None, EngineConfig(
+            tensor_parallel_size=size, num_kv_blocks=32, compile_model=False,
+            speculative_config={"method": "draft", "model": str(folder), "num_speculative_tokens": 3}),
+            draft_model=_tiny(folder)[0])
+        try:
+            engine.add_request("a", {"prompt_token_ids": [5, 17, 3, 42, 8, 11, 60, 96, 0, 50] * 2}, params)
+            engine.add_request("b", {"prompt_token_ids": [1, 2, 3, 4]}, params)
+            done = {}
+            while engine.has_unfinished_requests():
+                done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+            assert engine.spec_stats.num_draft_tokens > 0
+            assert engine.spec_stats.num_accepted_tokens == engine.spec_stats.num_draft_tokens
+            results.append(done)
+        finally:
+            engine.shutdown()
+    assert results[1] == results[0]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_an_8_bit_kv_pool_at_2_ranks_gives_one_ranks_tokens(tiny_checkpoints, kv_cache_dtype: str) -> None:
+    """Each rank's pool holds its own heads in 8 bits; int8's scales are measured on every rank at once (the
+    calibration's forward passes meet in their collectives), each rank's for its own heads. The tokens are one
+    rank's; the logprobs only as close as 8-bit rounding of values that differ in their last float32 bits."""
+    prompts = [{"prompt_token_ids": [5, 17, 3, 42, 8, 11, 60, 96, 0, 50]}, {"prompt_token_ids": [1, 2, 3, 4]}]
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=0, ignore_eos=True)
+    results = []
+    for size in (1, 2):
+        with LLM.from_model(_tiny(tiny_checkpoints["qwen3"])[0], None, tensor_parallel_size=size, num_kv_blocks=32,
+                            compile_model=False, kv_cache_dtype=kv_cache_dtype) as llm:
+            assert llm.llm_engine.kv_cache.keys[0].element_size() == 1  # 8 bits an element
+            results.append(llm.generate(prompts, params, use_tqdm=False))
+    for one, two in zip(*results, strict=True):
+        assert two.outputs[0].token_ids == one.outputs[0].token_ids
 
 
 def _tiny(folder):

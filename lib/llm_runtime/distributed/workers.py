@@ -57,6 +57,7 @@ class ShardSettings:
     prepack_weights: bool
     compile_pointwise: bool = False  # the layers' pointwise parts through torch.compile, as rank 0 runs them
     compile_model: bool = False  # the forward pass compiled (engine/compiled_forward.py) for the steps rank 0 says
+    kv_calibration: tuple[int, ...] | None = None  # an int8 pool: the token ids its scales are measured over
 
 
 def _die_with_parent() -> None:
@@ -112,8 +113,14 @@ class ShardWorker:
             from ..model.pointwise import compiled_ops, set_pointwise_ops_
 
             set_pointwise_ops_(model, compiled_ops())
+        scales = None
+        if settings.kv_calibration is not None:  # rank 0's calibration runs now too: their collectives meet
+            from ..attention.kv_calibration import calibrate_kv_scales
+
+            scales = calibrate_kv_scales(model, list(settings.kv_calibration))  # this rank's heads
         kv_cache = PagedKVCache.for_model(model.config, settings.num_blocks, settings.block_size, dtype=model.dtype,
-                                          device=model.device, kv_cache_dtype=settings.kv_cache_dtype)
+                                          device=model.device, kv_cache_dtype=settings.kv_cache_dtype,
+                                          kv_scales=scales)
         backend = select_backend(settings.attention_backend, model.device, model.dtype, None, settings.block_size)
         compiled = None
         if settings.compile_model:  # as rank 0's engine does it, at the same point: the warm-up's collectives meet

@@ -180,9 +180,17 @@ class LLMEngine:
         context_len = min(config.max_model_len or limit, step_limit or limit)
         # Unless asked for, a context longer than the whole pool is not offered.
         self.max_model_len = min(context_len, num_blocks * block_size)
+        calibration = (calibration_token_ids(tokenizer, model.config.vocab_size) if config.kv_cache_dtype == "int8"
+                       else None)  # an int8 pool's scales come from the model's keys and values over this text
+        wants_compiled = self._wants_compiled_forward(owns_model)
+        if self.workers is not None:  # before the calibration, whose forward passes every rank runs
+            self.workers.configure(ShardSettings(num_blocks, block_size, config.kv_cache_dtype,
+                                                 self.attention_backend.name, is_packed(model),
+                                                 pointwise_ops_of(model).name == "compiled", wants_compiled,
+                                                 None if calibration is None else tuple(calibration)))
         self.kv_cache = PagedKVCache.for_model(model.config, num_blocks, block_size, dtype=model.dtype,
                                                device=model.device, kv_cache_dtype=config.kv_cache_dtype,
-                                               kv_scales=self._calibrate_kv_scales())
+                                               kv_scales=self._calibrate_kv_scales(calibration))
         self.proposer = self._make_proposer(num_blocks)
         CPU_DEVICE.register(self)  # the emulated device's book of what live engines hold (kv_budget.py)
         self.is_shut_down = False
@@ -191,11 +199,7 @@ class LLMEngine:
         self.profile = StepProfile()  # where step time goes (lesson 09, bench)
         self.model_runner = ModelRunner(model, Sampler(seed=config.seed, device=model.device), self.kv_cache,
                                         self.profile, self.attention_backend)
-        wants_compiled = self._wants_compiled_forward(owns_model)
         if self.workers is not None:
-            self.workers.configure(ShardSettings(num_blocks, block_size, config.kv_cache_dtype,
-                                                 self.attention_backend.name, is_packed(model),
-                                                 pointwise_ops_of(model).name == "compiled", wants_compiled))
             self.model_runner.channel = self.workers.channel
         if wants_graphs:
             self._capture_graphs()
@@ -413,14 +417,13 @@ class LLMEngine:
                           f"every step runs eagerly (cuda_graphs=False silences this)", RuntimeWarning,
                           stacklevel=3)
 
-    def _calibrate_kv_scales(self) -> KVScales | None:
+    def _calibrate_kv_scales(self, token_ids: list[int] | None) -> KVScales | None:
         """An int8 pool's scales, from the model's keys (turned back by the rotary embedding) and values over
-        the calibration text (attention/kv_calibration.py): the same for every pool size and context. None
-        for any other pool."""
-        if self.config.kv_cache_dtype != "int8":
+        the calibration text's `token_ids` (attention/kv_calibration.py): the same for every pool size and
+        context. None for any other pool (no token ids). Sharded, each rank measures its own heads."""
+        if token_ids is None:
             return None
         started = time.perf_counter()
-        token_ids = calibration_token_ids(self.tokenizer, self.model.config.vocab_size)
         scales = calibrate_kv_scales(self.model, token_ids)
         logger.info("int8 KV cache: scales from %d tokens in %.2f s", len(token_ids), time.perf_counter() - started)
         return scales
