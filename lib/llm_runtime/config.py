@@ -262,9 +262,9 @@ class EngineConfig:
     enforce_eager: bool = False  # as vLLM's: no torch.compile, no CUDA graphs; every step runs eagerly
     # Batch invariance (model/batch_invariant.py, lesson 16): a request's logits bitwise the same whatever else runs
     # in its steps, however its prompt is chunked or cached, with or without speculation, in a prefill chunk or a
-    # decode step. On the CPU: packed linears (a lone row multiplied as two), every attention row through the C
-    # kernel; on CUDA: Triton kernels with fixed reduction orders for the linears, RMSNorm and attention. No
-    # torch.compile and no CUDA graphs either way.
+    # decode step. On the CPU: packed linears (a lone row as two, or calls of a fixed row count: measured at start),
+    # every attention row through the C kernel; on CUDA: Triton kernels with fixed reduction orders for the
+    # linears, RMSNorm and attention. No torch.compile and no CUDA graphs either way.
     batch_invariant: bool = False
     # Tensor parallelism (distributed/, lesson 17): the model's layers split over this many ranks, rank 0 this
     # process (scheduler, block manager, sampler), the others worker processes the engine starts; gloo on the

@@ -6,11 +6,17 @@ does not depend on the batch.
 
 On the CPU, measured in bfloat16 and float32 (tests/engine/test_batch_invariance.py checks the outcome end to end):
 
-- oneDNN's matrix multiply gives every row of a product with two or more rows the same bits, whatever the
-  number of rows (2 to 2,048) and the row's place; one row alone goes through another kernel (a matrix-vector
-  product) whose sums round otherwise, about 1 output in 10,000. So a lone row is multiplied as two
-  (`PackedLinear.single_row_as_two`): measured 1.1-1.3x the time of one row's product, in steps that compute a
-  single row (a decode at batch 1) only.
+- oneDNN's matrix multiply, on a CPU without usable AMX (and in float32 everywhere measured), gives every row of
+  a product with two or more rows the same bits, whatever the number of rows (2 to 2,048) and the row's place;
+  one row alone goes through another kernel (a matrix-vector product) whose sums round otherwise, about 1 output
+  in 10,000. So a lone row is multiplied as two (`PackedLinear.single_row_as_two`): measured 1.1-1.3x the time of
+  one row's product, in steps that compute a single row (a decode at batch 1) only.
+- Where the CPU lets oneDNN use AMX, its bfloat16 kernels change with the number of rows (a product of 2, 7 or
+  256 rows gives a row other bits: measured on this course's VM, the day it allowed AMX), while products of one
+  fixed size agree. There every product is made in calls of exactly `row_tile` rows, the last padded
+  (`PackedLinear.row_tile`). Which of the two holds is measured, not assumed: `make_batch_invariant_` probes each
+  shape of linear the model has (`_probe`), takes the lone-row rule where it is invariant, else the smallest
+  tile of 16, 32 or 64 rows that is, and refuses when none is.
 - RMSNorm, rotary and SiLU-and-multiply work row by row, and the sampler's softmax too: invariant as they are.
 - Attention: the C kernel (attention/cpu_kernels.py) walks one query row's keys in chunks of 16 in order, the
   same for a decode and for a prefill chunk's row at the same position; the block-wise path, which long chunks
@@ -37,8 +43,11 @@ torch.compile generates its own kernels per shape, and CUDA graphs are not used 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable, Sequence
 
+import torch
 from torch import nn
+
 
 from .packed_linear import PackedLinear, packing_unsupported_reason
 from .quantized_embedding import Q8Head
@@ -80,9 +89,44 @@ def make_batch_invariant_(model: nn.Module, triton: bool | None = None) -> int:
     if triton:
         return make_triton_invariant_(model)
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    rules: dict[tuple, tuple[bool, int | None]] = {}
     for module in packed:
-        module.single_row_as_two = True
+        shape = (module.in_features, module.out_features, module.packed_weight.dtype)
+        if shape not in rules:
+            rules[shape] = _probe(module)
+        module.single_row_as_two, module.row_tile = rules[shape]
     return len(packed)
+
+
+def rows_invariant(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                   chunk_sizes: Sequence[int] = (1, 2, 3, 7)) -> bool:
+    """Whether fn (rows (M, ...) -> (M, ...), one output row per input row) gives every row of x the same bits
+    when x is cut into chunks of each size in `chunk_sizes` (the last chunk may be shorter) as when x goes in
+    whole."""
+    whole = fn(x)
+    for size in chunk_sizes:
+        parts = torch.cat([fn(x[start : start + size]) for start in range(0, len(x), size)])
+        if not torch.equal(parts, whole):
+            return False
+    return True
+
+
+PROBE_ROWS, PROBE_SPLITS, ROW_TILES = 70, (1, 2, 3, 7, 16, 33), (16, 32, 64)
+
+
+def _probe(module: PackedLinear) -> tuple[bool, int | None]:
+    """(single_row_as_two, row_tile) that make this linear's rows invariant here (module docstring): the lone-row
+    rule if the product's rows agree for every split of PROBE_ROWS random rows, else the smallest row tile that
+    does. ValueError when neither does (a CPU or library this mode has not met)."""
+    x = torch.randn(PROBE_ROWS, module.in_features, generator=torch.Generator().manual_seed(16))
+    x = x.to(module.packed_weight.dtype)
+    with torch.inference_mode():
+        for rule in [(True, None)] + [(False, tile) for tile in ROW_TILES]:
+            module.single_row_as_two, module.row_tile = rule
+            if rows_invariant(module, x, PROBE_SPLITS):
+                return rule
+    raise ValueError(f"batch_invariant=True: no way measured here makes a {module.in_features} x "
+                     f"{module.out_features} {module.packed_weight.dtype} linear's rows invariant on this CPU")
 
 
 def make_triton_invariant_(model: nn.Module) -> int:

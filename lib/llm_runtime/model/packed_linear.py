@@ -81,9 +81,12 @@ class PackedLinear(nn.Module):
         # Not in the state dict as is (an opaque tensor cannot be saved): _save_to_state_dict writes `weight`.
         self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = linear.bias
-        # Batch invariance (model/batch_invariant.py): oneDNN multiplies one row by another kernel than two or
-        # more, with other rounding; when set, a single row is multiplied as two and the first result kept.
+        # Batch invariance (model/batch_invariant.py), one of two ways. Where oneDNN multiplies one row by another
+        # kernel than two or more (with other rounding), a single row is multiplied as two and the first result
+        # kept. Where its kernel and rounding change with the number of rows (AMX's bfloat16 kernels), every
+        # product is made in calls of exactly `row_tile` rows, the last padded with zeros.
         self.single_row_as_two = False
+        self.row_tile: int | None = None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -96,6 +99,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # (..., in) -> (M, in)
+        if self.row_tile is not None:
+            return self._in_tiles(rows).reshape(*x.shape[:-1], self.out_features)
         lone = self.single_row_as_two and rows.shape[0] == 1
         if lone:  # batch invariance: the kernel oneDNN runs for two rows or more, and the first result kept
             rows = rows.expand(2, -1).contiguous()  # (1, in) -> (2, in): the row twice
@@ -104,6 +109,19 @@ class PackedLinear(nn.Module):
         else:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
         return (out[:1] if lone else out).reshape(*x.shape[:-1], self.out_features)
+
+    def _in_tiles(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows (M, in) -> (M, out), in products of exactly row_tile rows each (the last padded with zeros)."""
+        tile = self.row_tile
+        assert tile is not None
+        outs = []
+        for start in range(0, rows.shape[0], tile):
+            part = rows[start : start + tile]
+            if part.shape[0] < tile:
+                part = torch.cat([part, part.new_zeros(tile - part.shape[0], self.in_features)])  # (tile, in)
+            outs.append(torch.ops.mkldnn._linear_pointwise(part, self.packed_weight, self.bias, "none", [], ""))
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]  # (tiles * tile, out)
+        return out[: rows.shape[0]]
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -132,6 +150,19 @@ class FusedPackedLinear(PackedLinear):
         super().__init__(fused, rows_hint)
         self.part_names = tuple(parts)
         self.part_sizes = tuple(m.out_features for m in linears)
+
+    def _in_tiles(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows (M, in) -> (M, out), in products of exactly row_tile rows each (the last padded with zeros)."""
+        tile = self.row_tile
+        assert tile is not None
+        outs = []
+        for start in range(0, rows.shape[0], tile):
+            part = rows[start : start + tile]
+            if part.shape[0] < tile:
+                part = torch.cat([part, part.new_zeros(tile - part.shape[0], self.in_features)])  # (tile, in)
+            outs.append(torch.ops.mkldnn._linear_pointwise(part, self.packed_weight, self.bias, "none", [], ""))
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]  # (tiles * tile, out)
+        return out[: rows.shape[0]]
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         parent = prefix[: prefix.rstrip(".").rfind(".") + 1]  # "...self_attn.qkv_proj." -> "...self_attn."
