@@ -10,7 +10,7 @@ import llm_runtime
 
 PACKAGE = Path(llm_runtime.__file__).parent
 FOLDERS = ("model", "attention", "sampling", "engine", "spec_decode", "serving", "bench", "lessons", "native",
-           "distributed")
+           "distributed", "kv_transfer")
 
 
 def test_the_folders_of_the_target_layout() -> None:

@@ -1,10 +1,11 @@
-"""Command line: `python -m llm_runtime prepare | generate | bench | roofline | serve`.
+"""Command line: `python -m llm_runtime prepare | generate | bench | roofline | serve | router`.
 
     python -m llm_runtime prepare                      # convert the bundled model into the cache (once)
     python -m llm_runtime generate "What is 2 + 2?"    # one chat answer, greedy
     python -m llm_runtime bench                        # the engine against transformers (see bench --help)
     python -m llm_runtime roofline                     # batch-1 decode against the memory-bandwidth limit
     python -m llm_runtime serve --port 8000            # an OpenAI-compatible HTTP server
+    python -m llm_runtime router --replica URL URL     # a router in front of several servers (lesson 18)
 """
 
 from __future__ import annotations
@@ -20,6 +21,16 @@ from .model.quantized_linear import QUANTIZATIONS
 # Shapes a server's oneDNN and ideep caches keep each (1,024 by default). scripts/soak.py, 10 min, int8 KV
 # with a 4-bit draft: resident memory grew 2,930 -> 4,270 MiB at 1,024 and held at 3,198-3,199 MiB at 64.
 SERVE_SHAPE_CACHE_CAPACITY = 64
+
+
+def _kv_transfer_config(text: str):
+    """`--kv-transfer-config JSON` -> KVTransferConfig (argparse reports a ValueError as a usage error)."""
+    from .kv_transfer.config import KVTransferConfig
+
+    try:
+        return KVTransferConfig.from_json(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,9 +83,22 @@ def main(argv: list[str] | None = None) -> int:
                      help="split the model over this many ranks (worker processes; gloo on the CPU; lesson 17)")
     srv.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
                      help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    srv.add_argument("--kv-transfer-config", type=_kv_transfer_config, default=None, metavar="JSON",
+                     help='disaggregated prefill and decode, as vLLM takes it: \'{"kv_connector": "ZmqConnector", '
+                          '"kv_role": "kv_producer"}\' (or kv_consumer, kv_both; lesson 18)')
     srv.add_argument("--check-invariants", action="store_true", help="check the scheduler's books every step")
     srv.add_argument("--shape-cache-capacity", type=int, default=SERVE_SHAPE_CACHE_CAPACITY,
                      help="shapes oneDNN and ideep keep compiled primitives for, each (engine/host_memory.py)")
+    rtr = commands.add_parser("router", help="an OpenAI-compatible router in front of several servers (lesson 18)")
+    rtr.add_argument("--prefill", action="extend", nargs="+", default=[], metavar="URL",
+                     help="prefill servers (with --kv-transfer-config kv_producer); with --decode")
+    rtr.add_argument("--decode", action="extend", nargs="+", default=[], metavar="URL",
+                     help="decode servers (with --kv-transfer-config kv_consumer); with --prefill")
+    rtr.add_argument("--replica", action="extend", nargs="+", default=[], metavar="URL",
+                     help="data-parallel replicas, each serving whole requests")
+    rtr.add_argument("--policy", default="round_robin", choices=("round_robin", "least_loaded", "cache_aware"))
+    rtr.add_argument("--host", default="127.0.0.1")
+    rtr.add_argument("--port", type=int, default=8080)
     args = parser.parse_args(argv)
 
     if args.command == "prepare":
@@ -90,6 +114,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "roofline":
         return decode_roofline.run(args)
+
+    if args.command == "router":
+        from .serving.router import run_router
+
+        try:
+            run_router(args.prefill, args.decode, args.replica, args.policy, args.host, args.port)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        return 0
 
     if args.command == "serve":
         from .engine.host_memory import bound_shape_caches
@@ -126,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         name = args.served_model_name or (str(args.model).rstrip("/").split("/")[-1] if args.model
                                           else BUNDLED_MODEL_NAME)
-        serve(engine, name, args.host, args.port, args.max_waiting_requests, args.max_request_bytes, executor)
+        serve(engine, name, args.host, args.port, args.max_waiting_requests, args.max_request_bytes, executor,
+              args.kv_transfer_config)
         return 0
 
     from . import LLM, SamplingParams, encode_chat, generate, load_model

@@ -195,6 +195,29 @@ def test_a_killed_worker_makes_the_engine_dead_quickly(tiny_checkpoints) -> None
     assert not [p for p in llm.llm_engine.workers.processes if p.is_alive()]
 
 
+def test_a_hung_worker_makes_the_engine_dead_at_the_step_timeout(tiny_checkpoints) -> None:
+    """A worker that stops answering (SIGSTOP: alive, but never reaching the collective) fails the step at
+    tensor_parallel_timeout_s, not never; shutdown then reaps it."""
+    model, _ = _tiny(tiny_checkpoints["llama3"])
+    llm = LLM.from_model(model, None, tensor_parallel_size=2, num_kv_blocks=32, compile_model=False,
+                         tensor_parallel_timeout_s=2.0)
+    engine = llm.llm_engine
+    worker = engine.workers.processes[0]
+    try:
+        engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=400,
+                                                                               ignore_eos=True))
+        engine.step()
+        os.kill(worker.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - started < 20
+    finally:
+        llm.shutdown()
+    assert not worker.is_alive()
+
+
 def test_no_worker_outlives_a_killed_parent(tiny_checkpoints) -> None:
     script = textwrap.dedent(f"""
         import os, sys, time

@@ -929,7 +929,8 @@ def kv_heads_for_rank_split_like_the_queries(num_heads: int, num_kv_heads: int, 
     return list(range(rank * per_rank, (rank + 1) * per_rank))
 
 
-def ring_all_reduce(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+def _reduce_scatter(parts: list[torch.Tensor]) -> tuple[list[list[torch.Tensor]], list[int]]:
+    """Every rank's chunks after the ring's reduce-scatter, and the values each rank sent in it."""
     n = len(parts)
     chunks = [list(p.clone().chunk(n)) for p in parts]
     sent = [0] * n
@@ -938,6 +939,12 @@ def ring_all_reduce(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list
         for r, c, values in messages:
             chunks[(r + 1) % n][c] = chunks[(r + 1) % n][c] + values
             sent[r] += values.numel()
+    return chunks, sent
+
+
+def ring_all_reduce(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    n = len(parts)
+    chunks, sent = _reduce_scatter(parts)
     for step in range(n - 1):
         messages = [(r, (r + 1 - step) % n, chunks[r][(r + 1 - step) % n].clone()) for r in range(n)]
         for r, c, values in messages:
@@ -948,14 +955,7 @@ def ring_all_reduce(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list
 
 def ring_all_reduce_reduce_scatter_only(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
     """Stops after the reduce-scatter: each rank holds one finished chunk and partial sums elsewhere."""
-    n = len(parts)
-    chunks = [list(p.clone().chunk(n)) for p in parts]
-    sent = [0] * n
-    for step in range(n - 1):
-        messages = [(r, (r - step) % n, chunks[r][(r - step) % n].clone()) for r in range(n)]
-        for r, c, values in messages:
-            chunks[(r + 1) % n][c] = chunks[(r + 1) % n][c] + values
-            sent[r] += values.numel()
+    chunks, sent = _reduce_scatter(parts)
     return [torch.cat(c) for c in chunks], sent
 
 

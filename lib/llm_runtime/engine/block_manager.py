@@ -81,6 +81,8 @@ class BlockManager:
         # Per sequence, the cache entry standing for each of its leading full, computed blocks (its
         # own or an equal one named first); None once a block could not be named (a key collision).
         self._chains: dict[Hashable, list[CachedBlock | None]] = {}
+        # Blocks received from another server (`import_prefix`), held until `release_import`.
+        self.imports: dict[Hashable, list[int]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -146,6 +148,28 @@ class BlockManager:
                 continue
             tokens = token_ids[i * self.block_size : (i + 1) * self.block_size]
             chain.append(cache.insert(table[i], chain[-1] if chain else None, tokens))
+
+    def import_prefix(self, import_key: Hashable, token_ids: TokenList[int]) -> tuple[list[int], int]:
+        """Blocks for `token_ids` (whole blocks, computed elsewhere: lesson 18's KV transfer), named in the prefix
+        cache by those tokens and held under `import_key` until `release_import`, so a request whose prompt starts
+        with them finds them cached. Returns the blocks in order and how many leading ones were cached already
+        (those hold the same tokens' KV: only the rest are to be written)."""
+        if not self.enable_prefix_caching:
+            raise ValueError("received KV blocks go through the prefix cache: enable prefix caching")
+        if len(token_ids) % self.block_size:
+            raise ValueError(f"{len(token_ids)} tokens are not whole blocks of {self.block_size}")
+        if import_key in self.imports or import_key in self.block_tables:
+            raise ValueError(f"{import_key!r} already holds blocks")
+        cached = self.allocate(import_key, token_ids) // self.block_size
+        self.mark_computed(import_key, token_ids, len(token_ids))
+        self.imports[import_key] = self.block_tables.pop(import_key)
+        del self._chains[import_key]
+        return list(self.imports[import_key]), cached
+
+    def release_import(self, import_key: Hashable) -> None:
+        """Let go of imported blocks: they stay in the prefix cache, evictable, like any finished prompt's."""
+        for block in reversed(self.imports.pop(import_key)):
+            self.allocator.decref(block)
 
     def can_append(self, seq_key: Hashable, num_tokens: int, num_new_tokens: int = 1) -> bool:
         """Whether the table can grow to hold `num_tokens`, and copy every shared block among those the last
@@ -213,7 +237,7 @@ class BlockManager:
         block is exactly one of free, parked (named, evictable) or held."""
         allocator, cache = self.allocator, self.allocator.prefix_cache
         held: dict[int, int] = {}
-        for table in self.block_tables.values():
+        for table in (*self.block_tables.values(), *self.imports.values()):
             for block in table:
                 held[block] = held.get(block, 0) + 1
         for block in range(allocator.num_blocks):

@@ -35,6 +35,7 @@ from ..attention.kv_quant import KVScales
 from ..attention.selector import select_backend, unavailable_reason
 from ..config import EngineConfig
 from ..distributed.sharding import shard_model_, tensor_parallel_unsupported_reason
+from ..kv_transfer.payload import KVLayout, KVPayload, read_blocks, write_blocks
 from ..distributed.workers import ShardSettings, ShardWorkers, WorkerSpec, start_shard_workers
 from ..errors import EngineDeadError, InvalidRequestError, is_device_fault
 from ..device import resolve_device
@@ -216,6 +217,7 @@ class LLMEngine:
         self._forced: set[Sequence] = set()  # this step's sequences whose drafts are the tokens their grammar forces
         self._unspeculated: set[Sequence] = set()  # sequences whose proposals failed: they decode one token a step
         self.dead_reason: BaseException | None = None  # the device fault that killed the engine, if one did
+        self._kv_layout: KVLayout | None = None  # what this pool's blocks mean (KV transfer), once asked
         self._num_steps = 0
         self._num_idle_steps = 0  # consecutive steps that scheduled nothing while requests were left
 
@@ -518,6 +520,53 @@ class LLMEngine:
         self.output_processor.abort_request(request_id)
         if self.proposer is not None:
             self.proposer.keep_only(set(self.scheduler.running))
+
+    # ------------------------------------------------------------------ KV transfer (lesson 18)
+    @property
+    def kv_layout(self) -> KVLayout:
+        """What this engine's pool blocks mean (kv_transfer/payload.py): a payload of another layout is refused."""
+        if self._kv_layout is None:
+            self._kv_layout = KVLayout.of(self.model, self.kv_cache)
+        return self._kv_layout
+
+    def check_kv_transfer(self) -> None:
+        """ValueError unless this engine can ship and receive KV blocks."""
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("KV transfer ships one pool's blocks; a tensor-parallel engine's are split over its "
+                             "ranks (not yet shipped)")
+        if not self.config.enable_prefix_caching:
+            raise ValueError("KV transfer goes through the prefix cache: enable_prefix_caching must be True")
+
+    def export_prefix(self, token_ids: list[int], transfer_id: str) -> KVPayload:
+        """The KV of the leading whole blocks of `token_ids` that this engine's prefix cache holds now (a prompt
+        this engine computed: every whole block before its last token), read from the pool as stored, to ship
+        to the engine that will decode it."""
+        self.check_kv_transfer()
+        block_size = self.config.block_size
+        hits = self.block_manager.allocator.prefix_cache.match(token_ids, block_size,
+                                                               (len(token_ids) - 1) // block_size)
+        keys, values = read_blocks(self.kv_cache, [hit.block for hit in hits])
+        return KVPayload(transfer_id, self.kv_layout, list(token_ids[: len(hits) * block_size]), keys, values)
+
+    def import_prefix(self, payload: KVPayload) -> int:
+        """Take another engine's blocks into this pool and prefix cache, held until `release_import` (so a
+        request whose prompt starts with their tokens finds them cached and computes only the rest). Returns the
+        tokens written (blocks this cache held already are not). ValueError, and nothing taken, for a payload of
+        another layout (model, dtype, block size, pool storage or scales) or more blocks than are free."""
+        self.check_kv_transfer()
+        mismatch = self.kv_layout.mismatch(payload.layout)
+        if mismatch is not None:
+            raise ValueError(f"refused KV transfer {payload.transfer_id!r}: {mismatch}")
+        if not self.block_manager.can_allocate(payload.token_ids):
+            raise ValueError(f"refused KV transfer {payload.transfer_id!r}: {payload.num_blocks} blocks do not fit "
+                             f"in the {self.block_manager.num_free_blocks} free")
+        blocks, cached = self.block_manager.import_prefix(("kv-import", payload.transfer_id), payload.token_ids)
+        write_blocks(self.kv_cache, blocks[cached:], payload.keys[:, cached:], payload.values[:, cached:])
+        return (len(blocks) - cached) * self.config.block_size
+
+    def release_import(self, transfer_id: str) -> None:
+        """The blocks `import_prefix` took for `transfer_id` become ordinary cached blocks (evictable)."""
+        self.block_manager.release_import(("kv-import", transfer_id))
 
     def stats(self) -> EngineStats:
         blocks, scheduler, graphs = self.block_manager, self.scheduler, self.model_runner.graphs

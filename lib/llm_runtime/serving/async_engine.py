@@ -24,13 +24,20 @@ own thread, which is slower on the CPU when the engine was built elsewhere.
 
 Thread safety: only the loop task touches the engine's state, and only while no step runs.
 Handlers read `snapshot`, the engine's stats taken by the loop after each step.
+
+KV transfer (lesson 18, kv_transfer/agent.py): with an agent, a request may carry `kv_transfer_params`. The loop
+runs the agent on the step thread around every step (blocks received go into the pool before it, finished
+prefills' blocks are shipped after it), and holds a request that waits for its prompt's blocks until they came
+(or the agent's timeout passed: it then computes its prompt itself).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +45,7 @@ from dataclasses import dataclass
 from ..engine.engine import EngineRequest, EngineStats, LLMEngine, Messages, Prompt
 from ..engine.outputs import RequestOutput
 from ..errors import EngineBusyError, EngineDeadError, InvalidRequestError
+from ..kv_transfer.agent import KVTransferAgent, TransferParams
 from ..sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -92,9 +100,10 @@ class AsyncLLMEngine:
     """Drives an `LLMEngine` from one background task; many concurrent clients, one model."""
 
     def __init__(self, engine: LLMEngine, max_waiting_requests: int = 256, *,
-                 step_executor: ThreadPoolExecutor | None = None) -> None:
+                 step_executor: ThreadPoolExecutor | None = None, kv_transfer: KVTransferAgent | None = None) -> None:
         """`step_executor`: a one-thread executor to run steps on, best the one that built `engine`
-        (`step_thread()`); the async engine owns it from now on and shuts it down in `stop()`."""
+        (`step_thread()`); the async engine owns it from now on and shuts it down in `stop()`. `kv_transfer`:
+        this server's part in disaggregated prefill and decode (module docstring)."""
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
         self.engine = engine
@@ -111,6 +120,9 @@ class AsyncLLMEngine:
         self.snapshot = self._take_snapshot()
         self.error: BaseException | None = None  # what stopped the loop, if anything did
         self.num_aborted = 0  # requests stopped before they finished (cancelled streams)
+        self.kv_transfer = kv_transfer
+        self._transfers: dict[str, TransferParams] = {}  # request id -> its kv_transfer_params
+        self._awaiting_kv: list[tuple[EngineRequest, float]] = []  # (request, deadline): blocks still to come
 
     # ------------------------------------------------------------------ life cycle
     async def start(self) -> None:
@@ -154,7 +166,8 @@ class AsyncLLMEngine:
     def num_waiting(self) -> int:
         """Requests not yet running: being validated, queued here, or waiting in the engine at the last step
         (requests, not sequences: one of n = 4 counts once, as `max_waiting_requests` does)."""
-        return self._num_processing + len(self._new) + self.snapshot.stats.num_waiting_requests
+        return (self._num_processing + len(self._new) + len(self._awaiting_kv)
+                + self.snapshot.stats.num_waiting_requests)
 
     # ------------------------------------------------------------------ requests
     async def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -163,24 +176,44 @@ class AsyncLLMEngine:
         return (await self.add_requests([prompt], params, request_ids=None if request_id is None else [request_id]))[0]
 
     async def add_requests(self, prompts: Sequence[Prompt], params: SamplingParams | None = None, *,
-                           request_ids: Sequence[str] | None = None) -> list[RequestStream]:
+                           request_ids: Sequence[str] | None = None,
+                           kv_transfer_params: dict | None = None) -> list[RequestStream]:
         """Validate every prompt off the event loop, then queue them all for the next step, or none.
 
         Raises EngineDeadError or EngineBusyError (before any tokenization), InvalidRequestError.
         """
         processor = self.engine.input_processor
         return await self._add(len(prompts), request_ids, lambda ids: [
-            processor.process(request_id, prompt, params) for request_id, prompt in zip(ids, prompts)])
+            processor.process(request_id, prompt, params) for request_id, prompt in zip(ids, prompts)],
+            kv_transfer_params)
 
     async def add_chat(self, messages: Messages, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> RequestStream:
+                       request_id: str | None = None, kv_transfer_params: dict | None = None) -> RequestStream:
         """One conversation, rendered with the chat template off the event loop."""
         processor = self.engine.input_processor
         return (await self._add(1, None if request_id is None else [request_id],
-                                lambda ids: [processor.process_chat(ids[0], messages, params)]))[0]
+                                lambda ids: [processor.process_chat(ids[0], messages, params)],
+                                kv_transfer_params))[0]
+
+    def _transfer_params(self, count: int, kv_transfer_params: dict | None) -> TransferParams | None:
+        if kv_transfer_params is None:
+            return None
+        if self.kv_transfer is None:
+            raise InvalidRequestError("kv_transfer_params", "this server takes no part in KV transfer (start it "
+                                                            "with --kv-transfer-config)")
+        try:
+            params = TransferParams.parse(kv_transfer_params)
+            self.kv_transfer.check_role(params)
+        except ValueError as error:
+            raise InvalidRequestError("kv_transfer_params", str(error)) from error
+        if count != 1:
+            raise InvalidRequestError("kv_transfer_params", "a KV transfer is for one prompt")
+        return params
 
     async def _add(self, count: int, request_ids: Sequence[str] | None,
-                   process: Callable[[list[str]], list[EngineRequest]]) -> list[RequestStream]:
+                   process: Callable[[list[str]], list[EngineRequest]],
+                   kv_transfer_params: dict | None = None) -> list[RequestStream]:
+        transfer = self._transfer_params(count, kv_transfer_params)
         streams = self._reserve(count, request_ids)
         ids = [stream.request_id for stream in streams]
         self._num_processing += count
@@ -196,6 +229,8 @@ class AsyncLLMEngine:
         finally:
             self._num_processing -= count
         # A client that left while its prompt was being validated already cancelled its stream.
+        if transfer is not None:
+            self._transfers[ids[0]] = transfer
         self._new += [request for request, stream in zip(requests, streams) if not stream.finished]
         assert self._wakeup is not None
         self._wakeup.set()
@@ -234,9 +269,13 @@ class AsyncLLMEngine:
         server answers as 500), never the loop: the other requests and the ones still to come are served."""
         aborts, self._aborts = self._aborts, set()
         new, self._new = [r for r in self._new if r.request_id not in aborts], []
+        new = self._with_their_kv(new, aborts)
         for request_id in aborts:
             stream = self._streams.pop(request_id, None)
             self.num_aborted += 1
+            self._transfers.pop(request_id, None)
+            if self.kv_transfer is not None:
+                self.kv_transfer.forget(request_id)
             try:
                 if request_id in self.engine.requests:
                     self.engine.abort_request(request_id)
@@ -252,6 +291,42 @@ class AsyncLLMEngine:
                 stream = self._streams.pop(request.request_id, None)
                 if stream is not None:
                     stream._queue.put_nowait(error)
+
+    def _with_their_kv(self, new: list[EngineRequest], aborts: set[str]) -> list[EngineRequest]:
+        """The requests to add now: `new` ones and those whose prompt's blocks arrived (or stopped being waited
+        for); the others wait on. Producer requests are registered to ship when they finish."""
+        if self.kv_transfer is None:
+            return new
+        agent, now = self.kv_transfer, time.monotonic()
+        waiting = [(r, d) for r, d in self._awaiting_kv if r.request_id not in aborts]
+        waiting += [(r, now + agent.config.kv_transfer_timeout_s) for r in new
+                    if r.request_id in self._transfers and self._transfers[r.request_id].remote_prefill]
+        ready = [r for r in new if r.request_id not in self._transfers or self._transfers[r.request_id].remote_decode]
+        self._awaiting_kv = []
+        for request, deadline in waiting:
+            transfer = self._transfers[request.request_id]
+            if agent.ready(transfer.transfer_id) or now >= deadline:
+                if not agent.ready(transfer.transfer_id):
+                    logger.warning("request %s: no KV for transfer %s within %.0f s; computing its prompt",
+                                   request.request_id, transfer.transfer_id, agent.config.kv_transfer_timeout_s)
+                agent.claim(request.request_id, transfer.transfer_id)
+                ready.append(request)
+            else:
+                self._awaiting_kv.append((request, deadline))
+        for request in ready:
+            transfer = self._transfers.pop(request.request_id, None)
+            if transfer is not None and transfer.remote_decode:
+                agent.expect(request.request_id, transfer)
+        return ready
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step, with the agent's work around it (on the step thread)."""
+        if self.kv_transfer is None:
+            return self.engine.step()
+        self.kv_transfer.before_step()
+        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        self.kv_transfer.after_step(outputs)
+        return outputs
 
     def _take_snapshot(self) -> EngineSnapshot:
         return EngineSnapshot(self.engine.stats(), self.engine.num_unfinished_requests())
@@ -270,10 +345,14 @@ class AsyncLLMEngine:
                 self.snapshot = self._take_snapshot()
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.clear()
-                    if not self._new and not self._aborts:
+                    if self._awaiting_kv:  # take in what arrived, and look again shortly
+                        await loop.run_in_executor(self._step_executor, self._step)
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            await asyncio.wait_for(self._wakeup.wait(), timeout=0.005)
+                    elif not self._new and not self._aborts:
                         await self._wakeup.wait()
                     continue
-                outputs = await loop.run_in_executor(self._step_executor, self.engine.step)
+                outputs = await loop.run_in_executor(self._step_executor, self._step)
                 self.snapshot = self._take_snapshot()
                 for output in outputs:
                     stream = self._streams.get(output.request_id)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from ..engine.outputs import RequestOutput
@@ -26,7 +26,7 @@ class _EngineCollector(Collector):
     def __init__(self, engine: AsyncLLMEngine) -> None:
         self.engine = engine
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         stats = self.engine.snapshot.stats
         gauges = [
             ("num_requests_running", "sequences running", stats.num_running),
@@ -43,7 +43,28 @@ class _EngineCollector(Collector):
             ("requests_aborted", "requests cancelled before they finished", self.engine.num_aborted),
             ("requests_failed", "requests a failed step finished with an error", stats.num_failed_requests),
             ("preemptions", "sequences preempted", stats.num_preemptions),
+            # In tokens, as vLLM counts them: unlike the hit-rate gauge, these sum over replicas.
+            ("prefix_cache_queries", "prompt tokens looked up in the prefix cache", stats.prefix_cache_queried_tokens),
+            ("prefix_cache_hits", "prompt tokens found in the prefix cache", stats.prefix_cache_hit_tokens),
         ]
+        agent = self.engine.kv_transfer
+        if agent is not None:  # disaggregated prefill and decode (lesson 18)
+            kv = agent.stats
+            counters += [
+                ("kv_transfer_sent_tokens", "prompt tokens whose KV blocks this server shipped", kv.sent_tokens),
+                ("kv_transfer_sent_bytes", "bytes of KV messages shipped", kv.sent_bytes),
+                ("kv_transfer_received_tokens", "prompt tokens whose KV blocks this server took in",
+                 kv.received_tokens),
+                ("kv_transfer_received_bytes", "bytes of KV messages received", kv.received_bytes),
+                ("kv_transfer_refused", "KV messages refused (another layout, cut, no room)", kv.refused_transfers),
+                ("kv_transfer_expired", "KV blocks received that no request claimed in time", kv.expired_transfers),
+                ("kv_transfer_send_failures", "KV messages that could not be shipped", kv.send_failures),
+            ]
+            for name, help_text, seconds in (("kv_transfer_send_seconds", "reading and shipping one prompt's blocks",
+                                              kv.send_seconds),
+                                             ("kv_transfer_import_seconds", "taking one prompt's blocks into the pool",
+                                              kv.import_seconds)):
+                yield _histogram(f"{PREFIX}_{name}", help_text, list(seconds))
         if stats.accepted_length_counts:  # speculative decoding (lesson 14), as vLLM's spec_decode metrics
             counters += [
                 ("spec_decode_num_draft_tokens", "speculative drafts verified", stats.num_draft_tokens),
@@ -61,6 +82,15 @@ class _EngineCollector(Collector):
                                     value=stats.mean_acceptance_length)
         for name, help_text, value in counters:
             yield CounterMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
+
+
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+def _histogram(name: str, help_text: str, values: list[float]) -> HistogramMetricFamily:
+    """A histogram of `values` (seconds) in TRANSFER_BUCKETS, built at scrape time."""
+    buckets = [(str(bound), sum(v <= bound for v in values)) for bound in TRANSFER_BUCKETS]
+    return HistogramMetricFamily(name, help_text, buckets=buckets + [("+Inf", len(values))], sum_value=sum(values))
 
 
 class ServerMetrics:

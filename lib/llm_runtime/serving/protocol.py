@@ -158,6 +158,8 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's: what a server of a disaggregated pair does with the request's KV (kv_transfer/agent.py, lesson 18)
+    kv_transfer_params: dict[str, Any] | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
@@ -223,6 +225,15 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # with tools, OpenAI's default is "auto" (refused: see tools.py)
+
+
+class KVTransferInfo(BaseModel):
+    """A server's part in KV transfer: its role, and where a consumer receives blocks."""
+
+    kv_role: str
+    kv_connector: str
+    kv_ip: str | None = None
+    kv_port: int | None = None
 
 
 @dataclass(frozen=True)

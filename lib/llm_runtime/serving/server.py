@@ -6,7 +6,8 @@
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (the tokenizer's
 chat template; content a string or a list of text parts), `GET /health`, `GET /metrics`
-(Prometheus). Constrained output (lesson 15): `structured_outputs` (vLLM's: json, regex, choice,
+(Prometheus), `GET /v1/kv_transfer` (a server started with `--kv-transfer-config`: its role, and where it
+receives KV blocks; a request's `kv_transfer_params` then say what to do with its KV, kv_transfer/agent.py). Constrained output (lesson 15): `structured_outputs` (vLLM's: json, regex, choice,
 grammar) on both completions routes, `response_format` (json_schema, json_object) and `tools` with a
 `tool_choice` naming a function or "required" on chat (`tools.py`; "auto" needs a tool-call parser this
 model lacks and is refused). Responses carry OpenAI's fields, `usage` and `logprobs` included; `stream: true`
@@ -40,6 +41,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..engine.engine import LLMEngine
 from ..errors import EngineBusyError, EngineDeadError, InvalidRequestError
+from ..kv_transfer.agent import KVTransferAgent
+from ..kv_transfer.config import KVTransferConfig
 from ..sampling import SamplingParams
 from . import protocol
 from .async_engine import AsyncLLMEngine, RequestStream
@@ -140,10 +143,13 @@ def _openapi(app: FastAPI, request_models: tuple[type[BaseModel], ...]) -> dict[
 # ------------------------------------------------------------------------------------------ the app
 def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 256,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               step_executor: ThreadPoolExecutor | None = None) -> FastAPI:
+               step_executor: ThreadPoolExecutor | None = None,
+               kv_transfer_config: KVTransferConfig | None = None) -> FastAPI:
     """The FastAPI app; the engine loop starts and stops with it. `step_executor`: the thread that built
-    the engine, to step on (async_engine.py says why)."""
-    async_engine = AsyncLLMEngine(engine, max_waiting_requests, step_executor=step_executor)
+    the engine, to step on (async_engine.py says why). `kv_transfer_config`: this server's part in
+    disaggregated prefill and decode (kv_transfer/, lesson 18)."""
+    agent = KVTransferAgent(engine, kv_transfer_config) if kv_transfer_config is not None else None
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests, step_executor=step_executor, kv_transfer=agent)
     metrics = ServerMetrics(async_engine)
     config = engine.config
     limits = protocol.EngineLimits(engine.model.config.vocab_size, engine.max_model_len, config.max_num_seqs,
@@ -158,6 +164,8 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
             yield
         finally:
             await async_engine.stop()
+            if agent is not None:
+                agent.close()
 
     app = FastAPI(title="llm_runtime", version="0.1.0", lifespan=lifespan,
                   description="An OpenAI-compatible server for one model (see the llm_runtime course).")
@@ -193,6 +201,15 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
         "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/kv_transfer", response_model=protocol.KVTransferInfo, responses={404: _ERRORS[404]})
+    async def kv_transfer() -> protocol.KVTransferInfo:
+        """This server's part in KV transfer, and where a consumer receives blocks (what a router asks)."""
+        if agent is None:
+            raise APIError(404, "this server takes no part in KV transfer", kind="not_found_error")
+        address = agent.address
+        return protocol.KVTransferInfo(kv_role=agent.config.kv_role, kv_connector=agent.config.kv_connector,
+                                       kv_ip=address[0] if address else None, kv_port=address[1] if address else None)
 
     @app.get("/v1/models", response_model=protocol.ModelList)
     async def models() -> protocol.ModelList:
@@ -240,7 +257,8 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
             raise APIError(400, "prompt: give at least one prompt", param="prompt")
         params = sampling_params(body, {}, max_tokens=body.max_tokens, logprobs=body.logprobs,
                                  prompt_logprobs=body.prompt_logprobs)
-        streams = await start(lambda: async_engine.add_requests(prompts, params), {})
+        streams = await start(lambda: async_engine.add_requests(prompts, params,
+                                                                kv_transfer_params=body.kv_transfer_params), {})
         return await respond(streams, body, request, chat=False, num_top=body.logprobs or 0)
 
     chat_fields = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens", "prompt": "messages"}
@@ -255,7 +273,8 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
         fields = {**chat_fields, **constraint.field_names}
         params = sampling_params(body, fields, max_tokens=max_tokens, logprobs=logprobs,
                                  structured=constraint.structured)
-        streams = await start(lambda: _as_list(async_engine.add_chat(constraint.messages, params)), fields)
+        streams = await start(lambda: _as_list(async_engine.add_chat(
+            constraint.messages, params, kv_transfer_params=body.kv_transfer_params)), fields)
         return await respond(streams, body, request, chat=True, num_top=body.top_logprobs or 0, constraint=constraint)
 
     async def respond(streams: list[RequestStream], body: protocol._SamplingFields, request: Request,
@@ -322,8 +341,8 @@ def sse_events(events: AsyncIterator[dict]) -> AsyncIterator[str]:
 
 def serve(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           max_waiting_requests: int = 256, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-          step_executor: ThreadPoolExecutor | None = None) -> None:
+          step_executor: ThreadPoolExecutor | None = None, kv_transfer_config: KVTransferConfig | None = None) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(engine, model_name, max_waiting_requests, max_request_bytes, step_executor), host=host,
-                port=port, log_level="info")
+    uvicorn.run(create_app(engine, model_name, max_waiting_requests, max_request_bytes, step_executor,
+                           kv_transfer_config), host=host, port=port, log_level="info")

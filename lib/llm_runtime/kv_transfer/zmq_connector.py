@@ -1,0 +1,121 @@
+"""The KV transport between servers: ZeroMQ messages over TCP (lesson 18).
+
+A consumer binds one PULL socket (`KVReceiver`); any producer connects a PUSH socket to it (`KVSender`) and sends
+each payload as one multipart message: its JSON header and two large frames of key and value bytes
+(payload.py). Why ZeroMQ, not torch.distributed's point-to-point sends over gloo: a process group is a fixed set
+of ranks that must all start together and agree on every send's partner and tag, while servers come and go and
+any prefill server may ship to any decode server; ZeroMQ connects any sender to a listening receiver at any time,
+queues messages while a peer reconnects, frames them (no length prefixes to write by hand), and sends the
+tensors' buffers without copying them into Python bytes. (vLLM's P2P connectors use ZeroMQ the same way, for
+their control messages, with NCCL for GPU tensors.)
+
+Threads: a receiver's socket is read by its own thread, which parses each message and puts the payload, or the
+reason it was refused, in `inbox`; the engine's thread takes them from there between steps (the block manager is
+that thread's alone). A sender's sockets are used by the one thread that sends.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from .payload import KVPayload
+
+logger = logging.getLogger(__name__)
+SEND_TIMEOUT_MS = 10_000  # a receiver that takes nothing for this long fails the send (it is gone or stuck)
+
+
+@dataclass(frozen=True)
+class Received:
+    """A message off the wire: its payload (None when refused: then `error` says why), its size, when it came."""
+
+    payload: KVPayload | None
+    nbytes: int
+    received_at: float  # time.monotonic()
+    error: str | None = None
+
+
+class KVReceiver:
+    """A PULL socket bound at host:port (port 0: any free one; `port` then says which), read by a thread."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.PULL)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        if port == 0:
+            port = self.socket.bind_to_random_port(f"tcp://{host}")
+        else:
+            self.socket.bind(f"tcp://{host}:{port}")
+        self.host, self.port = host, port
+        self.inbox: queue.Queue[Received] = queue.Queue()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kv-receiver-{port}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        while not self._stopping.is_set():
+            if not poller.poll(timeout=100):
+                continue
+            frames = self.socket.recv_multipart(copy=False)
+            nbytes = sum(len(frame.buffer) for frame in frames)
+            try:
+                payload = KVPayload.from_frames([frame.buffer for frame in frames])
+            except ValueError as error:
+                logger.warning("refused a KV message of %d bytes: %s", nbytes, error)
+                self.inbox.put(Received(None, nbytes, time.monotonic(), str(error)))
+                continue
+            self.inbox.put(Received(payload, nbytes, time.monotonic()))
+
+    def take(self) -> list[Received]:
+        """Every message received since the last call."""
+        out = []
+        while True:
+            try:
+                out.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=5)
+        self.socket.close()
+        self.context.term()
+
+
+class KVSender:
+    """PUSH sockets, one per receiver address, made on first use."""
+
+    def __init__(self) -> None:
+        self.context = zmq.Context()
+        self.sockets: dict[str, zmq.Socket] = {}
+
+    def send(self, payload: KVPayload, host: str, port: int) -> int:
+        """Ship `payload` to the receiver at host:port; returns the bytes sent. RuntimeError when the receiver
+        takes nothing within SEND_TIMEOUT_MS (its queue is full: it is gone or stuck)."""
+        address = f"tcp://{host}:{port}"
+        socket = self.sockets.get(address)
+        if socket is None:
+            socket = self.context.socket(zmq.PUSH)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+            socket.connect(address)
+            self.sockets[address] = socket
+        frames = payload.to_frames()
+        try:
+            socket.send_multipart(frames, copy=False)
+        except zmq.Again as error:
+            raise RuntimeError(f"the KV receiver at {address} took nothing for {SEND_TIMEOUT_MS / 1e3:.0f} s") from error
+        return sum(memoryview(frame).nbytes for frame in frames)
+
+    def close(self) -> None:
+        for socket in self.sockets.values():
+            socket.close()
+        self.sockets.clear()
+        self.context.term()
