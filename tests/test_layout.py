@@ -43,3 +43,11 @@ def test_the_serving_core_does_not_depend_on_lesson_helpers() -> None:
 def test_every_module_has_a_docstring() -> None:
     for path in PACKAGE.rglob("*.py"):
         assert ast.get_docstring(ast.parse(path.read_text())), f"{path.relative_to(PACKAGE)} has no docstring"
+
+
+def test_test_files_have_unique_names() -> None:
+    # pytest's default import mode imports test modules by basename, so two `test_config.py` in different
+    # folders stop the whole collection ("import file mismatch"), as one CI run did.
+    tests = Path(__file__).parent
+    names = [path.name for path in tests.rglob("test_*.py")]
+    assert sorted({name for name in names if names.count(name) > 1}) == []
