@@ -163,6 +163,21 @@ def test_prefix_reuse_lru_eviction_and_copy_on_write() -> None:
     assert manager.block_tables["q"][1] != manager.block_tables["p"][1]
 
 
+def test_reset_prefix_cache_forgets_the_parked_blocks_and_keeps_the_held_ones() -> None:
+    manager = BlockManager(num_blocks=8, block_size=2)
+    held, parked = [1, 2, 3, 4, 5], [7, 8, 9, 10, 11]
+    for key, tokens in (("held", held), ("parked", parked)):
+        manager.allocate(key, tokens)
+        manager.mark_computed(key, tokens, len(tokens))
+    manager.free("parked")
+    assert manager.num_cached_tokens(parked) == 4 and len(manager.allocator.prefix_cache.evictable) == 2
+    assert manager.reset_prefix_cache() == 2
+    manager.check_invariants()
+    assert manager.num_cached_tokens(parked) == 0 and not manager.allocator.prefix_cache.evictable
+    assert manager.num_cached_tokens(held) == 4  # in use: still named, still shared
+    assert manager.num_free_blocks == 8 - 3 and manager.reset_prefix_cache() == 0
+
+
 def test_a_write_that_starts_in_a_shared_block_and_ends_in_a_new_one_copies_it() -> None:
     """Speculation after a fork: the step writes the last prompt token and 4 drafts, positions 4 .. 8, starting in
     the block the siblings share (positions 4 .. 7) and ending in a new one. The shared block is copied, and

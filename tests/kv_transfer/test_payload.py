@@ -12,6 +12,7 @@ import torch
 from llm_runtime import LLM, SamplingParams
 from llm_runtime.engine.block_manager import BlockManager
 from llm_runtime.kv_transfer.payload import KVPayload
+from llm_runtime.lessons.disaggregation import shipped_kv_bytes
 from llm_runtime.model.loader import load_model_weights
 
 PROMPT = [5, 17, 3, 42, 8, 11, 60, 96, 0, 50, 7, 7, 31, 2, 64, 19, 23, 88, 4, 45, 12, 9]  # 22 tokens: 5 blocks of 4
@@ -36,6 +37,9 @@ def test_a_consumer_decodes_a_producers_prompt_as_one_engine_does(tiny_checkpoin
                           use_tqdm=False)
         payload = producer.llm_engine.export_prefix(PROMPT, "t1")
     assert payload.num_tokens == 20 and payload.num_blocks == 5  # whole blocks before the last prompt token
+    config = producer.llm_engine.model.config
+    assert payload.keys.nbytes + payload.values.nbytes == shipped_kv_bytes(
+        len(PROMPT), 4, config.num_layers, config.num_kv_heads, config.head_dim, payload.keys.element_size())
     assert payload.keys.element_size() == (1 if kv_cache_dtype != "auto" else torch.empty((), dtype=getattr(
         torch, dtype)).element_size())
     shipped = KVPayload.from_frames([bytes(frame) for frame in payload.to_frames()])

@@ -966,6 +966,78 @@ def ring_all_reduce_whole_tensors(parts: list[torch.Tensor]) -> tuple[list[torch
     return [total.clone() for _ in range(n)], [2 * (n - 1) * parts[0].numel()] * n
 
 
+# ------------------------------------------------------------------------------------------ lesson 18
+
+
+def shipped_kv_bytes(prompt_len: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                     bytes_per_value: float) -> int:
+    whole_blocks = (prompt_len - 1) // block_size
+    return int(whole_blocks * block_size * 2 * num_layers * num_kv_heads * head_dim * bytes_per_value)
+
+
+def shipped_kv_bytes_every_token(prompt_len: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                                 bytes_per_value: float) -> int:
+    """Ships the whole prompt, partial last block and last token included."""
+    return int(prompt_len * 2 * num_layers * num_kv_heads * head_dim * bytes_per_value)
+
+
+def shipped_kv_bytes_keys_only(prompt_len: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                               bytes_per_value: float) -> int:
+    """Forgets the values: half the bytes."""
+    return int((prompt_len - 1) // block_size * block_size * num_layers * num_kv_heads * head_dim * bytes_per_value)
+
+
+def goodput(timings: list, duration_s: float, ttft_s: float, tpot_s: float) -> float:
+    met = sum(t.ttft <= ttft_s and (t.tpot is None or t.tpot <= tpot_s) for t in timings)
+    return met / duration_s
+
+
+def goodput_dropping_single_tokens(timings: list, duration_s: float, ttft_s: float, tpot_s: float) -> float:
+    """Counts a request of one token (no TPOT) as missing the TPOT target."""
+    return sum(t.ttft <= ttft_s and t.tpot is not None and t.tpot <= tpot_s for t in timings) / duration_s
+
+
+def goodput_by_mean_itl_of_all(timings: list, duration_s: float, ttft_s: float, tpot_s: float) -> float:
+    """Judges TPOT by the run's mean inter-token latency instead of each request's own."""
+    gaps = [g for t in timings for g in t.itls]
+    mean = sum(gaps) / len(gaps) if gaps else 0.0
+    return sum(t.ttft <= ttft_s and mean <= tpot_s for t in timings) / duration_s
+
+
+def cache_aware_choice(hashes: list, remembered: list, in_flight: list, min_match: float) -> int:
+    least = min(range(len(in_flight)), key=lambda i: in_flight[i])
+    matches = []
+    for seen in remembered:
+        count = 0
+        while count < len(hashes) and hashes[count] in seen:
+            count += 1
+        matches.append(count)
+    best = max(range(len(matches)), key=lambda i: (matches[i], -i))
+    return best if matches[best] > 0 and matches[best] >= min_match * len(hashes) else least
+
+
+def cache_aware_choice_counting_any_hash(hashes: list, remembered: list, in_flight: list, min_match: float) -> int:
+    """Counts every hash a replica saw, gaps or not: a chunk seen after a different one is not a cached prefix."""
+    least = min(range(len(in_flight)), key=lambda i: in_flight[i])
+    matches = [sum(h in seen for h in hashes) for seen in remembered]
+    best = max(range(len(matches)), key=lambda i: (matches[i], -i))
+    return best if matches[best] > 0 and matches[best] >= min_match * len(hashes) else least
+
+
+def cache_aware_choice_always_the_best_match(hashes: list, remembered: list, in_flight: list,
+                                             min_match: float) -> int:
+    """Ignores min_match: a replica that saw one chunk of a long prompt wins over an idle one."""
+    matches = []
+    for seen in remembered:
+        count = 0
+        while count < len(hashes) and hashes[count] in seen:
+            count += 1
+        matches.append(count)
+    if not hashes or max(matches) == 0:
+        return min(range(len(in_flight)), key=lambda i: in_flight[i])
+    return max(range(len(matches)), key=lambda i: (matches[i], -i))
+
+
 SOLUTIONS: dict[str, Callable] = {
     "lesson01.rms_norm": rms_norm,
     "lesson01.kv_bytes_per_token": kv_bytes_per_token,
@@ -1008,6 +1080,9 @@ SOLUTIONS: dict[str, Callable] = {
     "lesson17.parallel_product": parallel_product,
     "lesson17.kv_heads_for_rank": kv_heads_for_rank,
     "lesson17.ring_all_reduce": ring_all_reduce,
+    "lesson18.shipped_kv_bytes": shipped_kv_bytes,
+    "lesson18.goodput": goodput,
+    "lesson18.cache_aware_choice": cache_aware_choice,
 }
 
 WRONG: dict[str, list[Callable]] = {
@@ -1055,4 +1130,7 @@ WRONG: dict[str, list[Callable]] = {
     "lesson17.parallel_product": [parallel_product_rows_of_a, parallel_product_interleaved],
     "lesson17.kv_heads_for_rank": [kv_heads_for_rank_round_robin, kv_heads_for_rank_split_like_the_queries],
     "lesson17.ring_all_reduce": [ring_all_reduce_reduce_scatter_only, ring_all_reduce_whole_tensors],
+    "lesson18.shipped_kv_bytes": [shipped_kv_bytes_every_token, shipped_kv_bytes_keys_only],
+    "lesson18.goodput": [goodput_dropping_single_tokens, goodput_by_mean_itl_of_all],
+    "lesson18.cache_aware_choice": [cache_aware_choice_counting_any_hash, cache_aware_choice_always_the_best_match],
 }

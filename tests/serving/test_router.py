@@ -1,7 +1,9 @@
 """The router (serving/router.py, lesson 18): its policies by themselves, then in front of real servers over the
 bundled model on loopback: replicas chosen round-robin or by cached prefix (hit rates from the replicas' own
 counters), a prefill and a decode server giving one server's text, streamed and not; a backend that goes away
-answered 502 then 503 quickly; a client that leaves aborts its request upstream."""
+answered 502 then 503 quickly; prefill and decode servers killed as processes (a prefill retried on the other
+prefill server, a dead decode server answered 502/503 while the prefill servers keep serving); a client that
+leaves aborts its request upstream."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import uvicorn
 
 from llm_runtime import EngineConfig, LLMEngine
 from llm_runtime.kv_transfer.config import KVTransferConfig
+from llm_runtime.lessons.disaggregation import ServerProcess
 from llm_runtime.serving.router import Backend, Pool, chunk_hashes, create_router
 from llm_runtime.serving.server import create_app
 from servers import MODEL_NAME, TEST_KV_MEMORY, free_port, running, wait_idle
@@ -170,3 +173,46 @@ def test_a_client_that_leaves_aborts_its_request_upstream(bundled) -> None:
             assert _counter(replica, "requests_aborted_total") == 2
     finally:
         engine.shutdown()
+
+
+@pytest.mark.slow
+def test_killed_prefill_and_decode_servers() -> None:
+    common = ["--device", "cpu", "--dtype", "float32", "--enforce-eager", "--kv-cache-memory", str(TEST_KV_MEMORY)]
+    producers = [ServerProcess.serve([*common, "--kv-transfer-config", '{"kv_role": "kv_producer"}'], wait=False)
+                 for _ in range(2)]
+    consumer = ServerProcess.serve([*common, "--kv-transfer-config", '{"kv_role": "kv_consumer", "kv_port": 0}'],
+                                   wait=False)
+    try:
+        for server in (*producers, consumer):
+            server.wait_ready()
+        with running(create_router(prefill=[p.url for p in producers], decode=[consumer.url])) as router:
+            expected = [_chat(router, system, "What is your number?", max_tokens=6) for system in SYSTEMS[:2]]
+            producers[0].kill()  # the other prefill server takes every prefill, the failed ones retried there
+            assert [_chat(router, system, "What is your number?", max_tokens=6, stream=i == 1)
+                    for i, system in enumerate(SYSTEMS[:2])] == expected
+            assert _chat(router, SYSTEMS[2], "Hi", max_tokens=2)
+            consumer.kill()
+            started = time.monotonic()
+            statuses = []
+            for _ in range(3):
+                answer = httpx.post(f"{router}/v1/chat/completions", timeout=30, json={
+                    "messages": [{"role": "system", "content": SYSTEMS[3]}, {"role": "user", "content": "Hi"}],
+                    "max_tokens": 2})
+                statuses.append(answer.status_code)
+                assert answer.json()["error"]["message"]
+            assert set(statuses) <= {502, 503} and time.monotonic() - started < 30
+            time.sleep(2)  # the health check has seen it by now
+            answer = httpx.post(f"{router}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
+            assert answer.status_code == 503 and "no healthy decode server" in answer.json()["error"]["message"]
+            # The surviving prefill server shipped to a dead consumer: that failed on its sender's thread, and its
+            # steps go on.
+            direct = httpx.post(f"{producers[1].url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                                timeout=30)
+            assert direct.status_code == 200
+            deadline = time.monotonic() + 10
+            while _counter(producers[1].url, "kv_transfer_send_failures_total") < 1:
+                assert time.monotonic() < deadline, "the send to the dead consumer never failed"
+                time.sleep(0.2)
+    finally:
+        for server in (*producers, consumer):
+            server.kill()

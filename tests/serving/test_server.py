@@ -49,6 +49,24 @@ def test_models_health_and_metrics(server, client) -> None:
         assert name in text
 
 
+def test_reset_prefix_cache_makes_the_next_prompt_miss(server) -> None:
+    base = server[0]
+    body = {"model": MODEL_NAME, "prompt": "A long shared preamble. " * 12 + "The end.", "max_tokens": 1}
+
+    def hits() -> float:
+        lines = httpx.get(f"{base}/metrics").text.splitlines()
+        return next(float(line.split()[1]) for line in lines if line.startswith("llm_runtime_prefix_cache_hits_total"))
+
+    for _ in range(2):
+        assert httpx.post(f"{base}/v1/completions", json=body).status_code == 200
+    before = hits()
+    assert before > 0  # the second request found the first one's blocks
+    reset = httpx.post(f"{base}/reset_prefix_cache")
+    assert reset.status_code == 200 and reset.json()["freed_blocks"] > 0
+    assert httpx.post(f"{base}/v1/completions", json=body).status_code == 200
+    assert hits() == before  # nothing left to find
+
+
 def test_completions_equal_llm_generate(client, reference) -> None:
     for prompt in PROMPTS[:4]:
         response = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0)

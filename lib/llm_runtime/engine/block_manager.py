@@ -52,6 +52,14 @@ class BlockAllocator:
         self.ref_counts[block] = 1
         return block
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no one holds (they become free, unnamed); the number freed."""
+        freed = 0
+        while self.prefix_cache.num_evictable:
+            self.free.append(self.prefix_cache.evict())
+            freed += 1
+        return freed
+
     def incref(self, block: int) -> None:
         if self.ref_counts[block] == 0:
             self.prefix_cache.revive(block)  # a cached block comes back into use
@@ -170,6 +178,10 @@ class BlockManager:
         """Let go of imported blocks: they stay in the prefix cache, evictable, like any finished prompt's."""
         for block in reversed(self.imports.pop(import_key)):
             self.allocator.decref(block)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block that no sequence holds; the number freed (blocks in use keep their names)."""
+        return self.allocator.reset_prefix_cache()
 
     def can_append(self, seq_key: Hashable, num_tokens: int, num_new_tokens: int = 1) -> bool:
         """Whether the table can grow to hold `num_tokens`, and copy every shared block among those the last

@@ -568,6 +568,11 @@ class LLMEngine:
         """The blocks `import_prefix` took for `transfer_id` become ordinary cached blocks (evictable)."""
         self.block_manager.release_import(("kv-import", transfer_id))
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds, as vLLM's `reset_prefix_cache` (a benchmark that must start
+        cold); the blocks freed. Blocks in use, and received ones not yet claimed, keep their names."""
+        return self.block_manager.reset_prefix_cache()
+
     def stats(self) -> EngineStats:
         blocks, scheduler, graphs = self.block_manager, self.scheduler, self.model_runner.graphs
         return EngineStats(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,27 @@ from .config import KVTransferConfig
 from .zmq_connector import KVReceiver, KVSender
 
 logger = logging.getLogger(__name__)
+
+
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)  # seconds
+
+
+@dataclass
+class Durations:
+    """Seconds observed, kept as a Prometheus histogram keeps them (a count per bucket, the total), not one by one:
+    a server runs for months."""
+
+    bounds: tuple[float, ...] = TRANSFER_BUCKETS
+    counts: list[int] = field(default_factory=lambda: [0] * len(TRANSFER_BUCKETS))  # observations <= each bound
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, seconds: float) -> None:
+        for i, bound in enumerate(self.bounds):
+            if seconds <= bound:
+                self.counts[i] += 1
+        self.total += seconds
+        self.count += 1
 
 
 @dataclass
@@ -42,8 +64,8 @@ class KVTransferStats:
     received_transfers: int = 0
     refused_transfers: int = 0  # of another layout, cut, or with no room
     expired_transfers: int = 0  # received, never claimed
-    send_seconds: list[float] = field(default_factory=list)  # export and send, per transfer
-    import_seconds: list[float] = field(default_factory=list)  # parse to blocks in the pool, per transfer
+    send_seconds: Durations = field(default_factory=Durations)  # export and send, per transfer
+    import_seconds: Durations = field(default_factory=Durations)  # into the pool, per transfer
 
 
 @dataclass(frozen=True)
@@ -142,7 +164,7 @@ class KVTransferAgent:
             self.stats.refused_transfers += 1
             self._failed.add(payload.transfer_id)
             return
-        self.stats.import_seconds.append(time.perf_counter() - started)
+        self.stats.import_seconds.observe(time.perf_counter() - started)
         self.stats.received_transfers += 1
         self.stats.received_tokens += payload.num_tokens
         self._arrived[payload.transfer_id] = time.monotonic()
@@ -168,19 +190,32 @@ class KVTransferAgent:
             self.engine.release_import(transfer_id)
 
     def _ship(self, output: RequestOutput, params: TransferParams) -> None:
+        """Read the prompt's blocks now (on the step thread, before anything can evict them), and hand them to the
+        sender's thread: the next step does not wait for the network."""
         assert self.sender is not None and params.remote_host is not None and params.remote_port is not None
         started = time.perf_counter()
         try:
             payload = self.engine.export_prefix(output.prompt_token_ids, params.transfer_id)
-            sent = self.sender.send(payload, params.remote_host, params.remote_port)
-        except Exception as error:  # the consumer is gone: its request computes the prompt itself (or times out)
-            logger.warning("shipping KV %s failed: %s", params.transfer_id, error)
+        except Exception as error:  # never the step loop's end: the consumer computes the prompt itself instead
+            logger.warning("reading KV %s failed: %s", params.transfer_id, error)
             self.stats.send_failures += 1
             return
-        self.stats.send_seconds.append(time.perf_counter() - started)
-        self.stats.sent_transfers += 1
-        self.stats.sent_tokens += payload.num_tokens
-        self.stats.sent_bytes += sent
+        exported = time.perf_counter() - started
+        sending = self.sender.submit(payload, params.remote_host, params.remote_port)
+        sent_at = time.perf_counter()
+
+        def record(future: Future[int]) -> None:  # on the sender's thread
+            error = future.exception()
+            if error is not None:  # the consumer is gone: its request computes the prompt itself (or times out)
+                logger.warning("shipping KV %s failed: %s", params.transfer_id, error)
+                self.stats.send_failures += 1
+                return
+            self.stats.send_seconds.observe(exported + time.perf_counter() - sent_at)
+            self.stats.sent_transfers += 1
+            self.stats.sent_tokens += payload.num_tokens
+            self.stats.sent_bytes += future.result()
+
+        sending.add_done_callback(record)
 
     def close(self) -> None:
         for end in (self.sender, self.receiver):

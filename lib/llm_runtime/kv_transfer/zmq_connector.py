@@ -11,7 +11,8 @@ their control messages, with NCCL for GPU tensors.)
 
 Threads: a receiver's socket is read by its own thread, which parses each message and puts the payload, or the
 reason it was refused, in `inbox`; the engine's thread takes them from there between steps (the block manager is
-that thread's alone). A sender's sockets are used by the one thread that sends.
+that thread's alone). A sender's sockets are used by a thread of the sender's own, so the engine's thread hands
+it a payload and goes on with its next step.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import zmq
@@ -27,7 +29,9 @@ import zmq
 from .payload import KVPayload
 
 logger = logging.getLogger(__name__)
-SEND_TIMEOUT_MS = 10_000  # a receiver that takes nothing for this long fails the send (it is gone or stuck)
+SEND_TIMEOUT_MS = 2_000  # a receiver that takes nothing for this long fails the send (it is gone or stuck)
+SEND_HIGH_WATER_MARK = 4  # messages queued for one receiver before a send waits
+MAX_PENDING = 64  # payloads waiting for the sender's thread before more are refused
 
 
 @dataclass(frozen=True)
@@ -90,21 +94,50 @@ class KVReceiver:
 
 
 class KVSender:
-    """PUSH sockets, one per receiver address, made on first use."""
+    """PUSH sockets, one per receiver address, made on first use and used only by the sender's own thread.
+
+    `submit` queues a payload and returns at once, so an engine's step thread never waits on the network; `send`
+    waits for its own message. A receiver that is gone fails its sends after SEND_TIMEOUT_MS each, and at most
+    MAX_PENDING payloads wait in the queue (more are refused at once), so a dead consumer costs neither the engine's
+    steps nor unbounded memory."""
 
     def __init__(self) -> None:
         self.context = zmq.Context()
         self.sockets: dict[str, zmq.Socket] = {}
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-sender")
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    def submit(self, payload: KVPayload, host: str, port: int) -> "Future[int]":
+        """Ship `payload` to the receiver at host:port on the sender's thread; the future gives the bytes sent,
+        or RuntimeError when the receiver took nothing in time or too many sends are waiting."""
+        with self._lock:
+            if self._pending >= MAX_PENDING:
+                refused: Future[int] = Future()
+                refused.set_exception(RuntimeError(f"{MAX_PENDING} KV messages already wait to be sent"))
+                return refused
+            self._pending += 1
+        future = self._thread.submit(self._send, payload, host, port)
+        future.add_done_callback(self._sent)
+        return future
 
     def send(self, payload: KVPayload, host: str, port: int) -> int:
-        """Ship `payload` to the receiver at host:port; returns the bytes sent. RuntimeError when the receiver
-        takes nothing within SEND_TIMEOUT_MS (its queue is full: it is gone or stuck)."""
+        """`submit`, then wait: the bytes sent (RuntimeError as `submit` says)."""
+        return self.submit(payload, host, port).result()
+
+    def _sent(self, _: "Future[int]") -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def _send(self, payload: KVPayload, host: str, port: int) -> int:
         address = f"tcp://{host}:{port}"
         socket = self.sockets.get(address)
         if socket is None:
             socket = self.context.socket(zmq.PUSH)
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+            socket.setsockopt(zmq.SNDHWM, SEND_HIGH_WATER_MARK)
+            socket.setsockopt(zmq.IMMEDIATE, 1)  # queue only for a receiver that is connected, not for a dead one
             socket.connect(address)
             self.sockets[address] = socket
         frames = payload.to_frames()
@@ -115,6 +148,7 @@ class KVSender:
         return sum(memoryview(frame).nbytes for frame in frames)
 
     def close(self) -> None:
+        self._thread.shutdown(wait=True, cancel_futures=True)
         for socket in self.sockets.values():
             socket.close()
         self.sockets.clear()

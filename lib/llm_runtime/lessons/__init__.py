@@ -6,6 +6,7 @@
 `runs_here` is how a lesson skips a part its device cannot run, `workload_size` how it sizes a timed load
 for a CPU playing a GPU (`device_rules.py`);
 `invariance.py` holds lesson 16's sum in blocks and probe for batch invariance;
+`tensor_parallel.py` and `disaggregation.py` hold lesson 17's and lesson 18's hands-on pieces;
 `exercises/` holds a checker per exercise at the end of each lesson, run against the package's own code.
 """
 

@@ -110,6 +110,7 @@ class AsyncLLMEngine:
         self.max_waiting_requests = max_waiting_requests
         self._new: list[EngineRequest] = []  # validated, not yet in the engine
         self._aborts: set[str] = set()
+        self._resets: list[asyncio.Future[int]] = []  # reset_prefix_cache calls, answered between steps
         self._streams: dict[str, RequestStream] = {}  # every id in use: live, queued, or being aborted
         self._ids = itertools.count()
         self._wakeup: asyncio.Event | None = None
@@ -261,12 +262,24 @@ class AsyncLLMEngine:
             if self._wakeup is not None:
                 self._wakeup.set()
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds, between two steps; the blocks freed."""
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._resets.append(future)
+        if self._wakeup is not None:
+            self._wakeup.set()
+        return await future
+
     # ------------------------------------------------------------------ the loop
     def _apply_pending(self) -> None:
         """Between steps: aborted requests leave (their blocks are freed, their ids free), new ones join.
 
         Whatever goes wrong here for one request ends that request's stream alone (with the error, which the
         server answers as 500), never the loop: the other requests and the ones still to come are served."""
+        resets, self._resets = self._resets, []
+        for future in resets:
+            if not future.done():
+                future.set_result(self.engine.reset_prefix_cache())
         aborts, self._aborts = self._aborts, set()
         new, self._new = [r for r in self._new if r.request_id not in aborts], []
         new = self._with_their_kv(new, aborts)
@@ -349,7 +362,7 @@ class AsyncLLMEngine:
                         await loop.run_in_executor(self._step_executor, self._step)
                         with contextlib.suppress(asyncio.TimeoutError):
                             await asyncio.wait_for(self._wakeup.wait(), timeout=0.005)
-                    elif not self._new and not self._aborts:
+                    elif not self._new and not self._aborts and not self._resets:
                         await self._wakeup.wait()
                     continue
                 outputs = await loop.run_in_executor(self._step_executor, self._step)

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from ..engine.outputs import RequestOutput
+from ..kv_transfer.agent import Durations
 from .async_engine import AsyncLLMEngine
 
 PREFIX = "llm_runtime"
@@ -64,7 +65,7 @@ class _EngineCollector(Collector):
                                               kv.send_seconds),
                                              ("kv_transfer_import_seconds", "taking one prompt's blocks into the pool",
                                               kv.import_seconds)):
-                yield _histogram(f"{PREFIX}_{name}", help_text, list(seconds))
+                yield _histogram(f"{PREFIX}_{name}", help_text, seconds)
         if stats.accepted_length_counts:  # speculative decoding (lesson 14), as vLLM's spec_decode metrics
             counters += [
                 ("spec_decode_num_draft_tokens", "speculative drafts verified", stats.num_draft_tokens),
@@ -84,13 +85,11 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
 
 
-TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-
-
-def _histogram(name: str, help_text: str, values: list[float]) -> HistogramMetricFamily:
-    """A histogram of `values` (seconds) in TRANSFER_BUCKETS, built at scrape time."""
-    buckets = [(str(bound), sum(v <= bound for v in values)) for bound in TRANSFER_BUCKETS]
-    return HistogramMetricFamily(name, help_text, buckets=buckets + [("+Inf", len(values))], sum_value=sum(values))
+def _histogram(name: str, help_text: str, durations: Durations) -> HistogramMetricFamily:
+    """A histogram of what `durations` observed (seconds)."""
+    buckets = [(str(bound), count) for bound, count in zip(durations.bounds, durations.counts)]
+    return HistogramMetricFamily(name, help_text, buckets=buckets + [("+Inf", durations.count)],
+                                 sum_value=durations.total)
 
 
 class ServerMetrics:

@@ -236,6 +236,12 @@ class KVTransferInfo(BaseModel):
     kv_port: int | None = None
 
 
+class PrefixCacheReset(BaseModel):
+    """What `POST /reset_prefix_cache` did: the cached blocks it forgot (blocks in use keep their names)."""
+
+    freed_blocks: int
+
+
 @dataclass(frozen=True)
 class EngineLimits:
     """What this server's engine accepts beyond SamplingParams' own bounds."""

@@ -18,7 +18,8 @@ way). Replicas (`--replica`): each request goes to one server, by `--policy`:
   loaded replica (a prompt no replica has seen spreads the load).
 
 Health: every backend's `/health` is polled; one that fails it, or refuses a connection, leaves the rotation
-until it answers again, and the requests in flight to it end at once with a 502. With no healthy backend of a
+until it answers again, and the requests in flight to it end at once with a 502 (a prefill is tried again on
+another healthy prefill server first: it has no effect a client sees). With no healthy backend of a
 kind a request needs, the answer is 503. A client that disconnects closes the router's connection to the backend,
 which aborts the request there. `/metrics` counts requests and errors per backend.
 """
@@ -33,7 +34,7 @@ import json
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Container, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +86,20 @@ def chunk_hashes(text: str) -> list[bytes]:
     return hashes
 
 
+def cache_aware_choice(hashes: Sequence[bytes], remembered: Sequence[Container[bytes]], in_flight: Sequence[int],
+                       min_match: float = MIN_MATCH) -> int:
+    """Which replica gets a prompt of these chained chunk hashes: the one that was sent the longest run of them
+    (its first k hashes, for the largest k), when that run is at least one chunk and at least `min_match` of the
+    prompt's chunks; otherwise the least loaded. Ties go to the first replica."""
+    least = min(range(len(in_flight)), key=in_flight.__getitem__)
+    best, best_match = least, 0
+    for index, seen in enumerate(remembered):
+        match = next((i for i, h in enumerate(hashes) if h not in seen), len(hashes))
+        if match > best_match:
+            best, best_match = index, match
+    return best if best_match > 0 and best_match >= min_match * len(hashes) else least
+
+
 class Pool:
     """The backends of one kind, and how the next one is chosen."""
 
@@ -104,16 +119,11 @@ class Pool:
             return None
         if self.policy == "round_robin":
             return candidates[next(self._turn) % len(candidates)]
-        least = min(candidates, key=lambda b: b.in_flight)
         if self.policy == "least_loaded":
-            return least
+            return min(candidates, key=lambda b: b.in_flight)
         hashes = chunk_hashes(text)
-        best, best_match = least, 0
-        for backend in candidates:
-            match = next((i for i, h in enumerate(hashes) if h not in backend.remembered), len(hashes))
-            if match > best_match:
-                best, best_match = backend, match
-        chosen = best if hashes and best_match >= MIN_MATCH * len(hashes) else least
+        chosen = candidates[cache_aware_choice(hashes, [b.remembered for b in candidates],
+                                               [b.in_flight for b in candidates])]
         for h in hashes:
             chosen.remembered[h] = None
             chosen.remembered.move_to_end(h)
@@ -326,25 +336,35 @@ def create_router(prefill: list[str] = (), decode: list[str] = (), replicas: lis
         if body.get("n", 1) != 1:
             return _error(400, "disaggregated serving runs one completion per request (n = 1)",
                           "invalid_request_error")
-        prefill_server, decode_server = prefill_pool.choose(text), decode_pool.choose(text)
-        if prefill_server is None or decode_server is None or decode_server.kv_address is None:
+        decode_server = decode_pool.choose(text)
+        if decode_server is None or decode_server.kv_address is None:
             metrics.unavailable.inc()
-            return _error(503, f"no healthy {'prefill' if prefill_server is None else 'decode'} server")
-        transfer_id = uuid.uuid4().hex
+            return _error(503, "no healthy decode server")
         host, port = decode_server.kv_address
-        first = {**body, "stream": False, "kv_transfer_params": {
-            "do_remote_decode": True, "transfer_id": transfer_id, "remote_host": host, "remote_port": port}}
-        first.pop("stream_options", None)
-        first["max_completion_tokens" if "messages" in body else "max_tokens"] = 1
-        first.pop("max_tokens" if "messages" in body else "max_completion_tokens", None)
-        try:
-            answer = await post(prefill_server, path, first)
-        except BackendFailed as error:
-            return _error(502, str(error))
-        if answer.status_code != 200:  # the prefill server refused it (a 400 is the client's to see)
-            return Response(answer.content, status_code=answer.status_code, media_type="application/json")
-        rest = {**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id}}
-        return await relay(decode_server, path, rest, request)
+        # A prefill has no effect a client sees, so one whose server died is tried again on another healthy one
+        # (under a new transfer id: blocks the dead one may have shipped expire unclaimed).
+        failure: BackendFailed | None = None
+        for _ in range(len(prefill_pool.backends)):
+            prefill_server = prefill_pool.choose(text)
+            if prefill_server is None:
+                metrics.unavailable.inc()
+                return _error(503, "no healthy prefill server")
+            transfer_id = uuid.uuid4().hex
+            first = {**body, "stream": False, "kv_transfer_params": {
+                "do_remote_decode": True, "transfer_id": transfer_id, "remote_host": host, "remote_port": port}}
+            first.pop("stream_options", None)
+            first["max_completion_tokens" if "messages" in body else "max_tokens"] = 1
+            first.pop("max_tokens" if "messages" in body else "max_completion_tokens", None)
+            try:
+                answer = await post(prefill_server, path, first)
+            except BackendFailed as error:
+                failure = error
+                continue
+            if answer.status_code != 200:  # the prefill server refused it (a 400 is the client's to see)
+                return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+            rest = {**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id}}
+            return await relay(decode_server, path, rest, request)
+        return _error(502, str(failure) if failure is not None else "no prefill server answered")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -7,7 +7,8 @@
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (the tokenizer's
 chat template; content a string or a list of text parts), `GET /health`, `GET /metrics`
 (Prometheus), `GET /v1/kv_transfer` (a server started with `--kv-transfer-config`: its role, and where it
-receives KV blocks; a request's `kv_transfer_params` then say what to do with its KV, kv_transfer/agent.py). Constrained output (lesson 15): `structured_outputs` (vLLM's: json, regex, choice,
+receives KV blocks; a request's `kv_transfer_params` then say what to do with its KV, kv_transfer/agent.py),
+`POST /reset_prefix_cache` (vLLM's: forget the cached blocks no request holds). Constrained output (lesson 15): `structured_outputs` (vLLM's: json, regex, choice,
 grammar) on both completions routes, `response_format` (json_schema, json_object) and `tools` with a
 `tool_choice` naming a function or "required" on chat (`tools.py`; "auto" needs a tool-call parser this
 model lacks and is refused). Responses carry OpenAI's fields, `usage` and `logprobs` included; `stream: true`
@@ -210,6 +211,14 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
         address = agent.address
         return protocol.KVTransferInfo(kv_role=agent.config.kv_role, kv_connector=agent.config.kv_connector,
                                        kv_ip=address[0] if address else None, kv_port=address[1] if address else None)
+
+    @app.post("/reset_prefix_cache", response_model=protocol.PrefixCacheReset, responses={503: _ERRORS[503]})
+    async def reset_prefix_cache() -> protocol.PrefixCacheReset:
+        """Forget every cached block no request holds, as vLLM's route of this name: for a measurement that must
+        start from a cold cache (lesson 18)."""
+        if not async_engine.is_running:
+            raise APIError(503, f"the engine loop stopped: {async_engine.error!r}", kind="server_error")
+        return protocol.PrefixCacheReset(freed_blocks=await async_engine.reset_prefix_cache())
 
     @app.get("/v1/models", response_model=protocol.ModelList)
     async def models() -> protocol.ModelList:
