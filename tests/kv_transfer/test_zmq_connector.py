@@ -1,9 +1,11 @@
 """The ZeroMQ transport (kv_transfer/zmq_connector.py): a payload crosses loopback whole; a sender hands its
-payloads to a thread of its own, so a receiver that is gone fails its sends after the timeout without holding up
-the caller, and a full queue is refused at once; the transfer histograms keep counts, not values."""
+payloads to a thread of its own; a receiver that is gone fails one send after the timeout and the next ones at
+once, while a live receiver still gets its payload; payloads past the byte budget are refused at once; the
+transfer histograms keep counts, not values."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -42,24 +44,37 @@ def test_a_payload_crosses_loopback_whole() -> None:
         receiver.close()
 
 
-def test_a_dead_receiver_fails_sends_without_holding_up_the_caller(monkeypatch) -> None:
+def test_a_dead_receiver_fails_its_send_then_fails_fast_and_others_still_get_theirs(monkeypatch) -> None:
     monkeypatch.setattr(zmq_connector, "SEND_TIMEOUT_MS", 300)
-    monkeypatch.setattr(zmq_connector, "MAX_PENDING", 2)
-    sender = KVSender()
-    port = free_port()  # nobody listens there
+    sender, receiver = KVSender(), KVReceiver("127.0.0.1", 0)
+    dead = free_port()  # nobody listens there
     try:
-        started = time.monotonic()
-        first, second, third = (sender.submit(_payload(str(i)), "127.0.0.1", port) for i in range(3))
-        assert time.monotonic() - started < 0.25  # handed over, not sent
-        with pytest.raises(RuntimeError, match="already wait"):
-            third.result(timeout=1)  # the queue holds 2
-        for future in (first, second):
-            with pytest.raises(RuntimeError, match="took nothing"):
-                future.result(timeout=10)
-        later = sender.submit(_payload("later"), "127.0.0.1", port)  # the queue emptied: taken again
-        with pytest.raises(RuntimeError, match="took nothing"):
-            later.result(timeout=10)
+        with pytest.raises(RuntimeError, match="took nothing for"):
+            sender.submit(_payload("first"), "127.0.0.1", dead).result(timeout=30)
+        with pytest.raises(RuntimeError, match="taken for gone"):  # no second timeout for the same address
+            sender.submit(_payload("second"), "127.0.0.1", dead).result(timeout=30)
+        assert sender.send(_payload("live"), receiver.host, receiver.port) > 0  # a live receiver is not held up
     finally:
+        sender.close()
+        receiver.close()
+
+
+def test_payloads_beyond_the_byte_budget_are_refused_at_once(monkeypatch) -> None:
+    sender = KVSender()
+    size = _payload().keys.nbytes * 2
+    monkeypatch.setattr(zmq_connector, "MAX_PENDING_BYTES", size + 1)  # room for one payload, not two
+    release = threading.Event()
+    monkeypatch.setattr(sender, "_send", lambda payload, host, port: release.wait(30) and size)
+    try:
+        first = sender.submit(_payload("first"), "127.0.0.1", 1)
+        refused = sender.submit(_payload("second"), "127.0.0.1", 1)
+        with pytest.raises(RuntimeError, match="already wait"):
+            refused.result(timeout=1)
+        release.set()
+        assert first.result(timeout=30) == size
+        assert sender.submit(_payload("third"), "127.0.0.1", 1).result(timeout=30) == size  # room again
+    finally:
+        release.set()
         sender.close()
 
 

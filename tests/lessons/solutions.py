@@ -987,31 +987,37 @@ def shipped_kv_bytes_keys_only(prompt_len: int, block_size: int, num_layers: int
     return int((prompt_len - 1) // block_size * block_size * num_layers * num_kv_heads * head_dim * bytes_per_value)
 
 
-def goodput(timings: list, duration_s: float, ttft_s: float, tpot_s: float) -> float:
+def goodput_under_targets(timings: list, duration_s: float, ttft_s: float, tpot_s: float) -> float:
     met = sum(t.ttft <= ttft_s and (t.tpot is None or t.tpot <= tpot_s) for t in timings)
     return met / duration_s
 
 
-def goodput_dropping_single_tokens(timings: list, duration_s: float, ttft_s: float, tpot_s: float) -> float:
+def goodput_under_targets_dropping_single_tokens(timings: list, duration_s: float, ttft_s: float, tpot_s: float) -> float:
     """Counts a request of one token (no TPOT) as missing the TPOT target."""
     return sum(t.ttft <= ttft_s and t.tpot is not None and t.tpot <= tpot_s for t in timings) / duration_s
 
 
-def goodput_by_mean_itl_of_all(timings: list, duration_s: float, ttft_s: float, tpot_s: float) -> float:
+def goodput_under_targets_by_mean_itl_of_all(timings: list, duration_s: float, ttft_s: float, tpot_s: float) -> float:
     """Judges TPOT by the run's mean inter-token latency instead of each request's own."""
     gaps = [g for t in timings for g in t.itls]
     mean = sum(gaps) / len(gaps) if gaps else 0.0
     return sum(t.ttft <= ttft_s and mean <= tpot_s for t in timings) / duration_s
 
 
-def cache_aware_choice(hashes: list, remembered: list, in_flight: list, min_match: float) -> int:
-    least = min(range(len(in_flight)), key=lambda i: in_flight[i])
+def _prefix_matches(hashes: list, remembered: list) -> list[int]:
+    """Per replica, how many of the prompt's hashes it saw from the first, without a gap."""
     matches = []
     for seen in remembered:
         count = 0
         while count < len(hashes) and hashes[count] in seen:
             count += 1
         matches.append(count)
+    return matches
+
+
+def cache_aware_choice(hashes: list, remembered: list, in_flight: list, min_match: float) -> int:
+    least = min(range(len(in_flight)), key=lambda i: in_flight[i])
+    matches = _prefix_matches(hashes, remembered)
     best = max(range(len(matches)), key=lambda i: (matches[i], -i))
     return best if matches[best] > 0 and matches[best] >= min_match * len(hashes) else least
 
@@ -1027,12 +1033,7 @@ def cache_aware_choice_counting_any_hash(hashes: list, remembered: list, in_flig
 def cache_aware_choice_always_the_best_match(hashes: list, remembered: list, in_flight: list,
                                              min_match: float) -> int:
     """Ignores min_match: a replica that saw one chunk of a long prompt wins over an idle one."""
-    matches = []
-    for seen in remembered:
-        count = 0
-        while count < len(hashes) and hashes[count] in seen:
-            count += 1
-        matches.append(count)
+    matches = _prefix_matches(hashes, remembered)
     if not hashes or max(matches) == 0:
         return min(range(len(in_flight)), key=lambda i: in_flight[i])
     return max(range(len(matches)), key=lambda i: (matches[i], -i))
@@ -1081,7 +1082,7 @@ SOLUTIONS: dict[str, Callable] = {
     "lesson17.kv_heads_for_rank": kv_heads_for_rank,
     "lesson17.ring_all_reduce": ring_all_reduce,
     "lesson18.shipped_kv_bytes": shipped_kv_bytes,
-    "lesson18.goodput": goodput,
+    "lesson18.goodput": goodput_under_targets,
     "lesson18.cache_aware_choice": cache_aware_choice,
 }
 
@@ -1131,6 +1132,6 @@ WRONG: dict[str, list[Callable]] = {
     "lesson17.kv_heads_for_rank": [kv_heads_for_rank_round_robin, kv_heads_for_rank_split_like_the_queries],
     "lesson17.ring_all_reduce": [ring_all_reduce_reduce_scatter_only, ring_all_reduce_whole_tensors],
     "lesson18.shipped_kv_bytes": [shipped_kv_bytes_every_token, shipped_kv_bytes_keys_only],
-    "lesson18.goodput": [goodput_dropping_single_tokens, goodput_by_mean_itl_of_all],
+    "lesson18.goodput": [goodput_under_targets_dropping_single_tokens, goodput_under_targets_by_mean_itl_of_all],
     "lesson18.cache_aware_choice": [cache_aware_choice_counting_any_hash, cache_aware_choice_always_the_best_match],
 }

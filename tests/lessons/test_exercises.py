@@ -40,6 +40,12 @@ def test_every_checker_has_a_solution_and_a_wrong_answer() -> None:
         assert 2 <= count <= 3, f"{lesson} has {count} exercises; each lesson has two or three"
 
 
+def test_no_solution_shadows_another() -> None:
+    # Two functions of one name in solutions.py: the dicts would hold the later one for both exercises.
+    names = [fn.__name__ for answers in (list(SOLUTIONS.values()), *WRONG.values()) for fn in answers]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
 def test_every_lesson_module_lists_its_exercises() -> None:
     for key, checker in CHECKERS.items():
         lesson, name = key.split(".")

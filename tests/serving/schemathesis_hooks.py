@@ -13,7 +13,10 @@ from schemathesis.generation import GenerationMode
 SEMANTIC_FIELDS = {"prompt", "messages", "max_tokens", "max_completion_tokens", "min_tokens"}
 # Constraints on the output (lesson 15): whether a schema, regex or grammar compiles, which one constraint a
 # request gives, and whether tool_choice names one of the tools are beyond what the OpenAPI schema can say.
-SEMANTIC_PREFIXES = ("structured_outputs", "response_format", "tools", "tool_choice")
+SEMANTIC_PREFIXES = ("structured_outputs", "response_format", "tools", "tool_choice",
+                     # Whether a server takes part in KV transfer, and in which role, is its configuration (lesson 18):
+                     # a server started without --kv-transfer-config refuses kv_transfer_params, naming the field.
+                     "kv_transfer_params")
 
 
 @schemathesis.check

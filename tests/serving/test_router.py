@@ -178,10 +178,10 @@ def test_a_client_that_leaves_aborts_its_request_upstream(bundled) -> None:
 @pytest.mark.slow
 def test_killed_prefill_and_decode_servers() -> None:
     common = ["--device", "cpu", "--dtype", "float32", "--enforce-eager", "--kv-cache-memory", str(TEST_KV_MEMORY)]
-    producers = [ServerProcess.serve([*common, "--kv-transfer-config", '{"kv_role": "kv_producer"}'], wait=False)
-                 for _ in range(2)]
+    producers = [ServerProcess.serve([*common, "--kv-transfer-config", '{"kv_role": "kv_producer"}'], threads=1,
+                                     wait=False) for _ in range(2)]
     consumer = ServerProcess.serve([*common, "--kv-transfer-config", '{"kv_role": "kv_consumer", "kv_port": 0}'],
-                                   wait=False)
+                                   threads=1, wait=False)
     try:
         for server in (*producers, consumer):
             server.wait_ready()
@@ -191,6 +191,7 @@ def test_killed_prefill_and_decode_servers() -> None:
             assert [_chat(router, system, "What is your number?", max_tokens=6, stream=i == 1)
                     for i, system in enumerate(SYSTEMS[:2])] == expected
             assert _chat(router, SYSTEMS[2], "Hi", max_tokens=2)
+            kv_address = httpx.get(f"{consumer.url}/v1/kv_transfer").json()
             consumer.kill()
             started = time.monotonic()
             statuses = []
@@ -201,15 +202,18 @@ def test_killed_prefill_and_decode_servers() -> None:
                 statuses.append(answer.status_code)
                 assert answer.json()["error"]["message"]
             assert set(statuses) <= {502, 503} and time.monotonic() - started < 30
-            time.sleep(2)  # the health check has seen it by now
+            while httpx.get(f"{router}/health").status_code != 503:  # the health check sees it within a second
+                assert time.monotonic() - started < 30
+                time.sleep(0.1)
             answer = httpx.post(f"{router}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
             assert answer.status_code == 503 and "no healthy decode server" in answer.json()["error"]["message"]
-            # The surviving prefill server shipped to a dead consumer: that failed on its sender's thread, and its
-            # steps go on.
-            direct = httpx.post(f"{producers[1].url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
-                                timeout=30)
-            assert direct.status_code == 200
-            deadline = time.monotonic() + 10
+            # A prefill whose consumer is dead: the send fails on the sender's thread, and the server's steps go on.
+            shipped = {"prompt": SYSTEMS[4], "max_tokens": 1, "kv_transfer_params": {
+                "do_remote_decode": True, "transfer_id": "to-the-dead", "remote_host": kv_address["kv_ip"],
+                "remote_port": kv_address["kv_port"]}}
+            for body in (shipped, {"prompt": "Hi", "max_tokens": 2}):
+                assert httpx.post(f"{producers[1].url}/v1/completions", json=body, timeout=30).status_code == 200
+            deadline = time.monotonic() + 30
             while _counter(producers[1].url, "kv_transfer_send_failures_total") < 1:
                 assert time.monotonic() < deadline, "the send to the dead consumer never failed"
                 time.sleep(0.2)

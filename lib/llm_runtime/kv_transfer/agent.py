@@ -9,14 +9,18 @@ A request's `kv_transfer_params` (vLLM's name; the router sets them) say what to
   arrived (at most `kv_transfer_timeout_s`; then compute the prompt here), then run the request, whose prompt
   finds them in the prefix cache; when it finishes, let them go.
 
-Every method that touches the engine runs on the engine's step thread, between steps (`before_step`,
-`after_step`): the block manager and the pool are that thread's. Received blocks no request claims within the
-timeout are let go too (a router that sent the prefill and then lost its client).
+Every method that touches the engine runs between steps: on the step thread around a step (`before_step`,
+`after_step`), or on the event loop's thread while no step runs (`forget`, as the async engine aborts requests);
+never during a step. The sender's thread only ships what `after_step` read, and counts it: the counters are
+written under a lock and read as a `snapshot()`. Received blocks no request claims within the timeout are let
+go too (a router that sent the prefill and then lost its client).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -55,7 +59,7 @@ class Durations:
 class KVTransferStats:
     """What this server shipped and received (the /metrics counters)."""
 
-    sent_tokens: int = 0
+    sent_tokens: int = 0  # tokens whose KV was handed to the transport
     sent_bytes: int = 0
     sent_transfers: int = 0
     send_failures: int = 0
@@ -104,11 +108,17 @@ class KVTransferAgent:
         self.engine, self.config = engine, config
         self.sender = KVSender() if config.is_producer else None
         self.receiver = KVReceiver(config.kv_ip, config.kv_port) if config.is_consumer else None
-        self.stats = KVTransferStats()
+        self.stats = KVTransferStats()  # written under _stats_lock (the sender's thread writes too)
+        self._stats_lock = threading.Lock()
         self._outgoing: dict[str, TransferParams] = {}  # request id -> where its prompt's blocks go
         self._arrived: dict[str, float] = {}  # transfer id -> when its blocks went into the pool (unclaimed)
         self._failed: set[str] = set()  # transfer ids whose blocks were refused: their requests compute
         self._claims: dict[str, str] = {}  # request id -> the transfer id whose blocks it holds
+
+    def snapshot(self) -> KVTransferStats:
+        """A copy of the counters, taken whole (for /metrics)."""
+        with self._stats_lock:
+            return copy.deepcopy(self.stats)
 
     @property
     def address(self) -> tuple[str, int] | None:
@@ -148,25 +158,30 @@ class KVTransferAgent:
         for transfer_id in [t for t, when in self._arrived.items() if when < deadline]:
             del self._arrived[transfer_id]
             self.engine.release_import(transfer_id)
-            self.stats.expired_transfers += 1
+            with self._stats_lock:
+                self.stats.expired_transfers += 1
 
     def _take(self, received: Any) -> None:
-        self.stats.received_bytes += received.nbytes
         payload = received.payload
+        with self._stats_lock:
+            self.stats.received_bytes += received.nbytes
+            if payload is None:
+                self.stats.refused_transfers += 1
         if payload is None:
-            self.stats.refused_transfers += 1
             return
         started = time.perf_counter()
         try:
             self.engine.import_prefix(payload)
         except ValueError as error:
             logger.warning("%s", error)
-            self.stats.refused_transfers += 1
+            with self._stats_lock:
+                self.stats.refused_transfers += 1
             self._failed.add(payload.transfer_id)
             return
-        self.stats.import_seconds.observe(time.perf_counter() - started)
-        self.stats.received_transfers += 1
-        self.stats.received_tokens += payload.num_tokens
+        with self._stats_lock:
+            self.stats.import_seconds.observe(time.perf_counter() - started)
+            self.stats.received_transfers += 1
+            self.stats.received_tokens += payload.num_tokens
         self._arrived[payload.transfer_id] = time.monotonic()
 
     def after_step(self, outputs: list[RequestOutput]) -> None:
@@ -198,22 +213,26 @@ class KVTransferAgent:
             payload = self.engine.export_prefix(output.prompt_token_ids, params.transfer_id)
         except Exception as error:  # never the step loop's end: the consumer computes the prompt itself instead
             logger.warning("reading KV %s failed: %s", params.transfer_id, error)
-            self.stats.send_failures += 1
+            with self._stats_lock:
+                self.stats.send_failures += 1
             return
         exported = time.perf_counter() - started
         sending = self.sender.submit(payload, params.remote_host, params.remote_port)
         sent_at = time.perf_counter()
 
-        def record(future: Future[int]) -> None:  # on the sender's thread
-            error = future.exception()
-            if error is not None:  # the consumer is gone: its request computes the prompt itself (or times out)
+        def record(future: Future[int]) -> None:  # on the sender's thread (on this one for a payload it refused)
+            error = None if not future.cancelled() else RuntimeError("the sender closed")
+            error = error or future.exception()
+            with self._stats_lock:
+                if error is not None:  # the consumer is gone: its request computes the prompt itself (or times out)
+                    self.stats.send_failures += 1
+                else:
+                    self.stats.send_seconds.observe(exported + time.perf_counter() - sent_at)
+                    self.stats.sent_transfers += 1
+                    self.stats.sent_tokens += payload.num_tokens
+                    self.stats.sent_bytes += future.result()
+            if error is not None:
                 logger.warning("shipping KV %s failed: %s", params.transfer_id, error)
-                self.stats.send_failures += 1
-                return
-            self.stats.send_seconds.observe(exported + time.perf_counter() - sent_at)
-            self.stats.sent_transfers += 1
-            self.stats.sent_tokens += payload.num_tokens
-            self.stats.sent_bytes += future.result()
 
         sending.add_done_callback(record)
 

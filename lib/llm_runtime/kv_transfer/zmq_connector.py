@@ -5,8 +5,8 @@ each payload as one multipart message: its JSON header and two large frames of k
 (payload.py). Why ZeroMQ, not torch.distributed's point-to-point sends over gloo: a process group is a fixed set
 of ranks that must all start together and agree on every send's partner and tag, while servers come and go and
 any prefill server may ship to any decode server; ZeroMQ connects any sender to a listening receiver at any time,
-queues messages while a peer reconnects, frames them (no length prefixes to write by hand), and sends the
-tensors' buffers without copying them into Python bytes. (vLLM's P2P connectors use ZeroMQ the same way, for
+reconnects by itself, frames messages (no length prefixes to write by hand), and sends the tensors' buffers
+without copying them into Python bytes. (vLLM's P2P connectors use ZeroMQ the same way, for
 their control messages, with NCCL for GPU tensors.)
 
 Threads: a receiver's socket is read by its own thread, which parses each message and puts the payload, or the
@@ -31,7 +31,8 @@ from .payload import KVPayload
 logger = logging.getLogger(__name__)
 SEND_TIMEOUT_MS = 2_000  # a receiver that takes nothing for this long fails the send (it is gone or stuck)
 SEND_HIGH_WATER_MARK = 4  # messages queued for one receiver before a send waits
-MAX_PENDING = 64  # payloads waiting for the sender's thread before more are refused
+DEAD_FOR_S = 10.0  # how long an address whose receiver timed out fails sends at once
+MAX_PENDING_BYTES = 1 << 30  # payload bytes waiting for the sender's thread before more are refused
 
 
 @dataclass(frozen=True)
@@ -97,40 +98,47 @@ class KVSender:
     """PUSH sockets, one per receiver address, made on first use and used only by the sender's own thread.
 
     `submit` queues a payload and returns at once, so an engine's step thread never waits on the network; `send`
-    waits for its own message. A receiver that is gone fails its sends after SEND_TIMEOUT_MS each, and at most
-    MAX_PENDING payloads wait in the queue (more are refused at once), so a dead consumer costs neither the engine's
-    steps nor unbounded memory."""
+    waits for its own message. "Sent" means handed to ZeroMQ, which delivers it in the background (at most
+    SEND_HIGH_WATER_MARK messages wait per receiver). A receiver that takes nothing for SEND_TIMEOUT_MS fails the
+    send, and its address then fails at once for DEAD_FOR_S, so one dead consumer holds the queue up for one
+    timeout, not one per payload; payloads waiting in the queue hold at most MAX_PENDING_BYTES (beyond, a payload
+    is refused at once), so a dead consumer costs neither the engine's steps nor unbounded memory."""
 
     def __init__(self) -> None:
         self.context = zmq.Context()
         self.sockets: dict[str, zmq.Socket] = {}
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-sender")
-        self._pending = 0
+        self._pending_bytes = 0
         self._lock = threading.Lock()
+        self._dead_until: dict[str, float] = {}  # address -> until when sends to it fail at once (sender's thread)
 
     def submit(self, payload: KVPayload, host: str, port: int) -> "Future[int]":
-        """Ship `payload` to the receiver at host:port on the sender's thread; the future gives the bytes sent,
-        or RuntimeError when the receiver took nothing in time or too many sends are waiting."""
+        """Ship `payload` to the receiver at host:port on the sender's thread; the future gives the bytes handed
+        to ZeroMQ, or RuntimeError when the receiver took nothing in time or too much already waits."""
+        size = payload.keys.nbytes + payload.values.nbytes
         with self._lock:
-            if self._pending >= MAX_PENDING:
+            if self._pending_bytes and self._pending_bytes + size > MAX_PENDING_BYTES:
                 refused: Future[int] = Future()
-                refused.set_exception(RuntimeError(f"{MAX_PENDING} KV messages already wait to be sent"))
+                refused.set_exception(RuntimeError(f"{self._pending_bytes:,} bytes of KV already wait to be sent"))
                 return refused
-            self._pending += 1
+            self._pending_bytes += size
         future = self._thread.submit(self._send, payload, host, port)
-        future.add_done_callback(self._sent)
+        future.add_done_callback(lambda _: self._done(size))
         return future
 
     def send(self, payload: KVPayload, host: str, port: int) -> int:
-        """`submit`, then wait: the bytes sent (RuntimeError as `submit` says)."""
+        """`submit`, then wait: the bytes handed to ZeroMQ (RuntimeError as `submit` says)."""
         return self.submit(payload, host, port).result()
 
-    def _sent(self, _: "Future[int]") -> None:
+    def _done(self, size: int) -> None:
         with self._lock:
-            self._pending -= 1
+            self._pending_bytes -= size
 
     def _send(self, payload: KVPayload, host: str, port: int) -> int:
         address = f"tcp://{host}:{port}"
+        if time.monotonic() < self._dead_until.get(address, 0.0):
+            raise RuntimeError(f"the KV receiver at {address} took nothing for {SEND_TIMEOUT_MS / 1e3:.0f} s a "
+                               f"moment ago: taken for gone")
         socket = self.sockets.get(address)
         if socket is None:
             socket = self.context.socket(zmq.PUSH)
@@ -144,7 +152,9 @@ class KVSender:
         try:
             socket.send_multipart(frames, copy=False)
         except zmq.Again as error:
+            self._dead_until[address] = time.monotonic() + DEAD_FOR_S
             raise RuntimeError(f"the KV receiver at {address} took nothing for {SEND_TIMEOUT_MS / 1e3:.0f} s") from error
+        self._dead_until.pop(address, None)
         return sum(memoryview(frame).nbytes for frame in frames)
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -39,7 +40,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@dataclass
+_LIVE: set["ServerProcess"] = set()  # started and not yet stopped or killed: killed when the interpreter exits
+
+
+@atexit.register
+def _kill_the_rest() -> None:
+    for server in list(_LIVE):
+        server.kill()
+
+
+@dataclass(eq=False)
 class ServerProcess:
     """`python -m llm_runtime serve` or `router` as a process of its own, pinned to `cores` with `threads` threads
     (where the OS lets a process choose its cores: Linux), killed when the notebook's kernel exits."""
@@ -61,18 +71,16 @@ class ServerProcess:
         environment = dict(os.environ)
         if threads is not None:  # PyTorch's intra-op pool takes its size from here when the process starts
             environment["OMP_NUM_THREADS"] = environment["MKL_NUM_THREADS"] = str(threads)
-        pin = None
+        descriptor, name = tempfile.mkstemp(prefix=f"llm_runtime-{kind}-", suffix=".log")
+        with os.fdopen(descriptor, "w") as stderr:
+            process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=environment)
         if cores is not None and hasattr(os, "sched_setaffinity"):
-            chosen = set(cores) & os.sched_getaffinity(0)
-
-            def pin() -> None:
-                os.sched_setaffinity(0, chosen)
-        log = Path(tempfile.mkstemp(prefix=f"llm_runtime-{kind}-", suffix=".log")[1])
-        with log.open("w") as stderr:
-            process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=environment,
-                                       preexec_fn=pin)
-        server = cls(command, f"http://127.0.0.1:{port}", process, log)
-        atexit.register(server.kill)
+            # Set from here, on the child, before it imports anything that starts threads (its threads inherit it):
+            # a preexec_fn would run between fork and exec, unsafe in a process with threads (a notebook kernel).
+            with contextlib.suppress(ProcessLookupError):  # it exited already: wait_ready says why
+                os.sched_setaffinity(process.pid, set(cores) & os.sched_getaffinity(0))
+        server = cls(command, f"http://127.0.0.1:{port}", process, Path(name))
+        _LIVE.add(server)
         if wait:
             server.wait_ready(timeout_s)
         return server
@@ -82,16 +90,18 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"{self.command[3]} exited with code {self.process.returncode}: {self.log_tail()}")
+                message = f"{self.command[3]} exited with code {self.process.returncode}: {self.log_tail()}"
+                self._forget()
+                raise RuntimeError(message)
             try:
                 if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
+                message = f"{self.command[3]} did not answer /health within {timeout_s:.0f} s: {self.log_tail()}"
                 self.kill()
-                raise RuntimeError(f"{self.command[3]} did not answer /health within {timeout_s:.0f} s: "
-                                   f"{self.log_tail()}")
+                raise RuntimeError(message)
             time.sleep(0.2)
 
     @classmethod
@@ -107,6 +117,9 @@ class ServerProcess:
         return self.process.pid
 
     def log_tail(self, lines: int = 20) -> str:
+        """The end of its stderr (its log is deleted when it stops)."""
+        if not self.log.exists():
+            return ""
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
     def kill(self) -> None:
@@ -114,6 +127,7 @@ class ServerProcess:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
             self.process.wait()
+        self._forget()
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 10 s."""
@@ -122,7 +136,13 @@ class ServerProcess:
             try:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self.kill()
+                self.process.kill()
+                self.process.wait()
+        self._forget()
+
+    def _forget(self) -> None:
+        _LIVE.discard(self)
+        self.log.unlink(missing_ok=True)
 
     def __enter__(self) -> "ServerProcess":
         return self

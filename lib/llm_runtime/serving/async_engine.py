@@ -263,7 +263,10 @@ class AsyncLLMEngine:
                 self._wakeup.set()
 
     async def reset_prefix_cache(self) -> int:
-        """Forget every cached block no request holds, between two steps; the blocks freed."""
+        """Forget every cached block no request holds, between two steps; the blocks freed. (vLLM's refuses, and
+        returns False, while any block is in use; this one frees what no request holds and leaves the rest.)"""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine loop stopped: {self.error!r}")
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._resets.append(future)
         if self._wakeup is not None:
@@ -279,7 +282,10 @@ class AsyncLLMEngine:
         resets, self._resets = self._resets, []
         for future in resets:
             if not future.done():
-                future.set_result(self.engine.reset_prefix_cache())
+                try:
+                    future.set_result(self.engine.reset_prefix_cache())
+                except Exception as error:  # the caller's to see, never the loop's end
+                    future.set_exception(error)
         aborts, self._aborts = self._aborts, set()
         new, self._new = [r for r in self._new if r.request_id not in aborts], []
         new = self._with_their_kv(new, aborts)
@@ -348,6 +354,10 @@ class AsyncLLMEngine:
         for stream in self._streams.values():
             stream._queue.put_nowait(error)
         self._streams.clear()
+        resets, self._resets = self._resets, []
+        for future in resets:
+            if not future.done():
+                future.set_exception(error)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

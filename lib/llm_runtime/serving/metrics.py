@@ -50,10 +50,10 @@ class _EngineCollector(Collector):
         ]
         agent = self.engine.kv_transfer
         if agent is not None:  # disaggregated prefill and decode (lesson 18)
-            kv = agent.stats
+            kv = agent.snapshot()
             counters += [
                 ("kv_transfer_sent_tokens", "prompt tokens whose KV blocks this server shipped", kv.sent_tokens),
-                ("kv_transfer_sent_bytes", "bytes of KV messages shipped", kv.sent_bytes),
+                ("kv_transfer_sent_bytes", "bytes of KV messages shipped (handed to the transport)", kv.sent_bytes),
                 ("kv_transfer_received_tokens", "prompt tokens whose KV blocks this server took in",
                  kv.received_tokens),
                 ("kv_transfer_received_bytes", "bytes of KV messages received", kv.received_bytes),

@@ -51,6 +51,7 @@ CHUNK = 64  # characters per hashed chunk of a prompt (cache_aware)
 MIN_MATCH = 0.5  # the share of a prompt a replica must have seen for cache_aware to prefer it over the least loaded
 MAX_REMEMBERED = 50_000  # chunk hashes remembered per replica, least recently used forgotten first
 HEALTH_INTERVAL_S = 1.0
+WENT_DOWN = "the backend went down"  # the message of a cancellation by mark_down (any other is passed on)
 
 
 def _error(status: int, message: str, kind: str = "server_error") -> JSONResponse:
@@ -112,9 +113,10 @@ class Pool:
     def healthy(self) -> list[Backend]:
         return [b for b in self.backends if b.healthy]
 
-    def choose(self, text: str) -> Backend | None:
-        """The backend for a prompt (None: none is healthy); cache_aware remembers where the prompt went."""
-        candidates = self.healthy()
+    def choose(self, text: str, exclude: Container[Backend] = ()) -> Backend | None:
+        """The backend for a prompt, not one of `exclude` (None: no other is healthy); cache_aware remembers where
+        the prompt went."""
+        candidates = [b for b in self.healthy() if b not in exclude]
         if not candidates:
             return None
         if self.policy == "round_robin":
@@ -124,7 +126,7 @@ class Pool:
         hashes = chunk_hashes(text)
         chosen = candidates[cache_aware_choice(hashes, [b.remembered for b in candidates],
                                                [b.in_flight for b in candidates])]
-        for h in hashes:
+        for h in reversed(hashes):  # a prompt's first chunk most recent: forgotten last (a match starts with it)
             chosen.remembered[h] = None
             chosen.remembered.move_to_end(h)
         while len(chosen.remembered) > MAX_REMEMBERED:
@@ -185,7 +187,7 @@ def create_router(prefill: list[str] = (), decode: list[str] = (), replicas: lis
             logger.warning("backend %s is out of rotation: %s", backend.url, why)
         backend.healthy = False
         for task in list(backend.tasks):  # nothing waits on a server that is gone
-            task.cancel()
+            task.cancel(msg=WENT_DOWN)
 
     async def watch() -> None:
         while True:
@@ -233,7 +235,8 @@ def create_router(prefill: list[str] = (), decode: list[str] = (), replicas: lis
         return Response(answer.content, status_code=answer.status_code, media_type="application/json")
 
     async def post(backend: Backend, path: str, body: dict[str, Any]) -> httpx.Response:
-        """A whole response from a backend; BackendFailed when it cannot be had or is a 5xx."""
+        """A whole response from a backend (a 5xx counted as an error); BackendFailed when none can be had: the
+        connection failed or timed out, or the backend was taken out of rotation meanwhile."""
         metrics.requests.labels(backend.url, backend.role).inc()
         backend.in_flight += 1
         task = asyncio.current_task()
@@ -241,10 +244,14 @@ def create_router(prefill: list[str] = (), decode: list[str] = (), replicas: lis
         backend.tasks.add(task)
         try:
             answer = await state["client"].post(f"{backend.url}{path}", json=body)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as error:
+            if error.args != (WENT_DOWN,):  # the client left, or the router stops
+                raise
+            task.uncancel()
             raise BackendFailed(backend, f"the backend {backend.url} went down") from None
         except httpx.HTTPError as error:
             metrics.errors.labels(backend.url, backend.role).inc()
+            backend.tasks.discard(task)  # its own failure: not cancelled by mark_down below
             if isinstance(error, (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)):
                 mark_down(backend, str(error))
             raise BackendFailed(backend, f"the backend {backend.url} failed: {type(error).__name__}: {error}") from error
@@ -304,10 +311,16 @@ def create_router(prefill: list[str] = (), decode: list[str] = (), replicas: lis
                     yield chunk
             except httpx.HTTPError as error:  # the backend died mid-stream
                 metrics.errors.labels(backend.url, backend.role).inc()
+                if task is not None:
+                    backend.tasks.discard(task)  # its own failure: not cancelled by mark_down below
                 mark_down(backend, str(error))
                 failed = f"the backend {backend.url} failed mid-stream"
-            except asyncio.CancelledError:  # the health check took the backend out of rotation
-                failed = f"the backend {backend.url} went down mid-stream"
+            except asyncio.CancelledError as error:
+                if error.args != (WENT_DOWN,):  # the client left, or the router stops
+                    raise
+                if task is not None:
+                    task.uncancel()
+                failed = f"the backend {backend.url} went down mid-stream"  # the health check took it out
             finally:  # also when the client left: closing the upstream aborts the request there
                 backend.in_flight -= 1
                 if task is not None:
@@ -344,11 +357,12 @@ def create_router(prefill: list[str] = (), decode: list[str] = (), replicas: lis
         # A prefill has no effect a client sees, so one whose server died is tried again on another healthy one
         # (under a new transfer id: blocks the dead one may have shipped expire unclaimed).
         failure: BackendFailed | None = None
+        tried: list[Backend] = []
         for _ in range(len(prefill_pool.backends)):
-            prefill_server = prefill_pool.choose(text)
+            prefill_server = prefill_pool.choose(text, exclude=tried)
             if prefill_server is None:
-                metrics.unavailable.inc()
-                return _error(503, "no healthy prefill server")
+                break
+            tried.append(prefill_server)
             transfer_id = uuid.uuid4().hex
             first = {**body, "stream": False, "kv_transfer_params": {
                 "do_remote_decode": True, "transfer_id": transfer_id, "remote_host": host, "remote_port": port}}
@@ -364,7 +378,10 @@ def create_router(prefill: list[str] = (), decode: list[str] = (), replicas: lis
                 return Response(answer.content, status_code=answer.status_code, media_type="application/json")
             rest = {**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id}}
             return await relay(decode_server, path, rest, request)
-        return _error(502, str(failure) if failure is not None else "no prefill server answered")
+        if failure is not None:
+            return _error(502, str(failure))
+        metrics.unavailable.inc()
+        return _error(503, "no healthy prefill server")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -216,9 +216,10 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
     async def reset_prefix_cache() -> protocol.PrefixCacheReset:
         """Forget every cached block no request holds, as vLLM's route of this name: for a measurement that must
         start from a cold cache (lesson 18)."""
-        if not async_engine.is_running:
-            raise APIError(503, f"the engine loop stopped: {async_engine.error!r}", kind="server_error")
-        return protocol.PrefixCacheReset(freed_blocks=await async_engine.reset_prefix_cache())
+        try:
+            return protocol.PrefixCacheReset(freed_blocks=await async_engine.reset_prefix_cache())
+        except EngineDeadError as error:
+            raise APIError(503, str(error), kind="server_error") from error
 
     @app.get("/v1/models", response_model=protocol.ModelList)
     async def models() -> protocol.ModelList:
