@@ -15,7 +15,7 @@ from llm_runtime.kv_transfer import zmq_connector
 from llm_runtime.kv_transfer.agent import Durations
 from llm_runtime.kv_transfer.payload import KVLayout, KVPayload
 from llm_runtime.kv_transfer.zmq_connector import KVReceiver, KVSender
-from llm_runtime.lessons.disaggregation import free_port
+from llm_runtime.distributed.launch import free_port
 
 
 def _payload(transfer_id: str = "t") -> KVPayload:

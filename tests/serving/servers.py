@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -10,12 +9,7 @@ from contextlib import contextmanager
 
 import uvicorn
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from llm_runtime.distributed.launch import free_port
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 # Test modules keep a server alive while they build other engines: each gets an explicit KV budget

@@ -18,7 +18,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,13 +30,7 @@ from typing import Any
 import httpx
 
 from ..bench.metrics import RequestTiming
-
-
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ..distributed.launch import free_port
 
 
 _LIVE: set["ServerProcess"] = set()  # started and not yet stopped or killed: killed when the interpreter exits
