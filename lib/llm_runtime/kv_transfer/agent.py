@@ -43,9 +43,12 @@ class Durations:
     a server runs for months."""
 
     bounds: tuple[float, ...] = TRANSFER_BUCKETS
-    counts: list[int] = field(default_factory=lambda: [0] * len(TRANSFER_BUCKETS))  # observations <= each bound
+    counts: list[int] = field(init=False)  # observations <= each bound
     total: float = 0.0
     count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.bounds)
 
     def observe(self, seconds: float) -> None:
         for i, bound in enumerate(self.bounds):
@@ -115,6 +118,12 @@ class KVTransferAgent:
         self._failed: set[str] = set()  # transfer ids whose blocks were refused: their requests compute
         self._claims: dict[str, str] = {}  # request id -> the transfer id whose blocks it holds
 
+    def _count(self, **increments: int) -> None:
+        """Add to the named counters, under the lock (the sender's thread counts too)."""
+        with self._stats_lock:
+            for name, amount in increments.items():
+                setattr(self.stats, name, getattr(self.stats, name) + amount)
+
     def snapshot(self) -> KVTransferStats:
         """A copy of the counters, taken whole (for /metrics)."""
         with self._stats_lock:
@@ -158,15 +167,11 @@ class KVTransferAgent:
         for transfer_id in [t for t, when in self._arrived.items() if when < deadline]:
             del self._arrived[transfer_id]
             self.engine.release_import(transfer_id)
-            with self._stats_lock:
-                self.stats.expired_transfers += 1
+            self._count(expired_transfers=1)
 
     def _take(self, received: Any) -> None:
         payload = received.payload
-        with self._stats_lock:
-            self.stats.received_bytes += received.nbytes
-            if payload is None:
-                self.stats.refused_transfers += 1
+        self._count(received_bytes=received.nbytes, refused_transfers=int(payload is None))
         if payload is None:
             return
         started = time.perf_counter()
@@ -174,14 +179,12 @@ class KVTransferAgent:
             self.engine.import_prefix(payload)
         except ValueError as error:
             logger.warning("%s", error)
-            with self._stats_lock:
-                self.stats.refused_transfers += 1
+            self._count(refused_transfers=1)
             self._failed.add(payload.transfer_id)
             return
         with self._stats_lock:
             self.stats.import_seconds.observe(time.perf_counter() - started)
-            self.stats.received_transfers += 1
-            self.stats.received_tokens += payload.num_tokens
+        self._count(received_transfers=1, received_tokens=payload.num_tokens)
         self._arrived[payload.transfer_id] = time.monotonic()
 
     def after_step(self, outputs: list[RequestOutput]) -> None:
@@ -213,26 +216,21 @@ class KVTransferAgent:
             payload = self.engine.export_prefix(output.prompt_token_ids, params.transfer_id)
         except Exception as error:  # never the step loop's end: the consumer computes the prompt itself instead
             logger.warning("reading KV %s failed: %s", params.transfer_id, error)
-            with self._stats_lock:
-                self.stats.send_failures += 1
+            self._count(send_failures=1)
             return
         exported = time.perf_counter() - started
         sending = self.sender.submit(payload, params.remote_host, params.remote_port)
         sent_at = time.perf_counter()
 
         def record(future: Future[int]) -> None:  # on the sender's thread (on this one for a payload it refused)
-            error = None if not future.cancelled() else RuntimeError("the sender closed")
-            error = error or future.exception()
-            with self._stats_lock:
-                if error is not None:  # the consumer is gone: its request computes the prompt itself (or times out)
-                    self.stats.send_failures += 1
-                else:
-                    self.stats.send_seconds.observe(exported + time.perf_counter() - sent_at)
-                    self.stats.sent_transfers += 1
-                    self.stats.sent_tokens += payload.num_tokens
-                    self.stats.sent_bytes += future.result()
-            if error is not None:
+            error = RuntimeError("the sender closed") if future.cancelled() else future.exception()
+            if error is not None:  # the consumer is gone: its request computes the prompt itself (or times out)
                 logger.warning("shipping KV %s failed: %s", params.transfer_id, error)
+                self._count(send_failures=1)
+                return
+            with self._stats_lock:
+                self.stats.send_seconds.observe(exported + time.perf_counter() - sent_at)
+            self._count(sent_transfers=1, sent_tokens=payload.num_tokens, sent_bytes=future.result())
 
         sending.add_done_callback(record)
 

@@ -83,7 +83,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.process.poll() is not None:
-                message = f"{self.command[3]} exited with code {self.process.returncode}: {self.log_tail()}"
+                message = f"{self.kind} exited with code {self.process.returncode}: {self.log_tail()}"
                 self._forget()
                 raise RuntimeError(message)
             try:
@@ -92,7 +92,7 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                message = f"{self.command[3]} did not answer /health within {timeout_s:.0f} s: {self.log_tail()}"
+                message = f"{self.kind} did not answer /health within {timeout_s:.0f} s: {self.log_tail()}"
                 self.kill()
                 raise RuntimeError(message)
             time.sleep(0.2)
@@ -104,6 +104,11 @@ class ServerProcess:
     @classmethod
     def router(cls, arguments: Sequence[str] = (), **options: Any) -> "ServerProcess":
         return cls.start("router", arguments, **options)
+
+    @property
+    def kind(self) -> str:
+        """"serve" or "router"."""
+        return self.command[3]
 
     @property
     def pid(self) -> int:
