@@ -31,6 +31,7 @@ SCRIPT = textwrap.dedent("""
         logits = model.compute_logits(model(torch.tensor([[5, 17, 3, 42, 8, 11]])))
     if tp.is_first:
         torch.save(logits, sys.argv[2])
+    tp.close()  # every rank leaves together
 """)
 
 

@@ -16,7 +16,7 @@ no Python objects. The handles are looked up in `_LIVE_GROUPS`, this module's on
 host) or the variables torchrun sets (MASTER_ADDR, MASTER_PORT; RANK and WORLD_SIZE give rank and size when
 they are not passed), which also spans machines: `torchrun --nnodes 2 --nproc-per-node 4 --master-addr node0
 --master-port 29500 script.py` on each machine, and `init_tensor_parallel(device=f"cuda:{local_rank}")` in
-script.py (tests/distributed/test_torchrun.py runs it on loopback).
+script.py, which ends with the group's `close()` (tests/distributed/test_torchrun.py runs it on loopback).
 """
 
 from __future__ import annotations
@@ -133,6 +133,17 @@ class TensorParallelGroup:
             options.rootRank = 0
             group.broadcast([x], options).wait()
         return x
+
+    def close(self) -> None:
+        """Leave the group at the end of a script (torchrun's ranks): wait until every rank is here, then shut the
+        groups down. A rank whose process exits with its group still open can die in gloo's teardown while
+        another rank still talks to it ("terminate called without an active exception")."""
+        if self.size > 1:
+            self.broadcast_from_first(torch.zeros(1), control=True)  # every rank has finished its collectives
+            for group in (self.group, self.control):
+                if group is not None:
+                    group.shutdown()
+            self.group = self.control = None
 
     def abort(self) -> None:
         """Tear the groups down without waiting for the other ranks (after a failure); best effort."""
