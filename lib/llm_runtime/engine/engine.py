@@ -52,6 +52,7 @@ from ..spec_decode.proposer import Proposer
 from ..spec_decode.stats import SpeculationStats
 from ..structured_output import GrammarState
 from .compiled_forward import CompiledForward, compiled_forward_unavailable_reason
+from .native_step import NativeStep, native_step_unavailable_reason
 from .cuda_graphs import DecodeGraphs, graph_memory_bytes, graphs_unavailable_reason
 from .host_memory import keep_freed_host_memory
 from .input_processor import EngineRequest, InputProcessor, Messages, Prompt
@@ -88,6 +89,8 @@ class EngineStats:
     cuda_graph_sizes: tuple[int, ...] = ()  # the batch sizes captured as CUDA graphs (none: every step eager)
     compiled_model: bool = False  # steps whose attention allows it run as one compiled graph (compile_model)
     num_compiled_steps: int = 0  # steps that ran as the compiled graph
+    native_step: bool = False  # steps of a few tokens run as one native call (native_step)
+    num_native_steps: int = 0  # steps that ran as the native call
     num_graph_replays: int = 0  # decode steps that ran from a CUDA graph
     # Speculative decoding (lesson 14): drafts verified, drafts kept, and [a]: verifications that kept a drafts.
     num_draft_tokens: int = 0
@@ -206,6 +209,8 @@ class LLMEngine:
             self._capture_graphs()
         if wants_compiled:
             self._compile_forward()
+        if self._wants_native_step():
+            self.model_runner.native = NativeStep(model, self.kv_cache, self.max_model_len)
         self.input_processor = InputProcessor(tokenizer, model.config, config, context_len=context_len,
                                               max_model_len=self.max_model_len, num_kv_blocks=num_blocks)
         self.output_processor = OutputProcessor(tokenizer)
@@ -376,6 +381,19 @@ class LLMEngine:
         if wanted and reason is not None:
             raise ValueError(f"compile_model=True, but {reason}")
         return wanted
+
+    def _wants_native_step(self) -> bool:
+        """Whether short steps run as one native call (native_step.py): when the config says True (or None, and
+        the model and pool are ones it covers); never with enforce_eager, batch invariance or tensor parallelism."""
+        wanted = self.config.native_step
+        if wanted is False or self.config.enforce_eager or self.config.batch_invariant:
+            return False
+        if self.config.tensor_parallel_size > 1:
+            return False  # the config refuses native_step=True with it
+        reason = native_step_unavailable_reason(self.model, self.config.kv_cache_dtype)
+        if wanted and reason is not None:
+            raise ValueError(f"native_step=True, but {reason}")
+        return reason is None
 
     def _compile_forward(self) -> None:
         """Compile the forward pass now (warm_up), not in the first request's step. The layers' pointwise parts
@@ -594,6 +612,8 @@ class LLMEngine:
             num_graph_replays=graphs.num_replays if graphs is not None else 0,
             compiled_model=self.model_runner.compiled is not None,
             num_compiled_steps=self.model_runner.compiled.num_runs if self.model_runner.compiled is not None else 0,
+            native_step=self.model_runner.native is not None,
+            num_native_steps=self.model_runner.native.num_runs if self.model_runner.native is not None else 0,
             **({} if self.spec_stats is None else dict(
                 num_draft_tokens=self.spec_stats.num_draft_tokens,
                 num_accepted_tokens=self.spec_stats.num_accepted_tokens,

@@ -10,7 +10,8 @@ once into persistent buffers (`input_batch.py`, lesson 12).
 
 A decode-only step runs from a CUDA graph when the engine captured them (`cuda_graphs.py`, lesson 12);
 prefill and mixed steps always run eagerly. On the CPU, a step whose attention the backend can serve inside
-a compiled graph runs the whole forward pass as one (`compiled_forward.py`, lesson 12).
+a compiled graph runs the whole forward pass as one (`compiled_forward.py`, lesson 12), and a step of a few
+tokens on a model the native step covers runs as one native call instead (`native_step.py`, lesson 19).
 
 A constrained sequence's logits rows are masked by its grammar before they are sampled (lesson 15): one row,
 or 1 + k for a sequence verifying k drafts (the masks after each draft). The masks are filled on the host
@@ -40,6 +41,7 @@ from ..structured_output import allocate_bitmask, apply_bitmask
 from .compiled_forward import CompiledForward
 from .cuda_graphs import DecodeGraphs
 from .input_batch import InputBuffers, ModelInput
+from .native_step import NativeStep
 from .outputs import Logprobs
 from .scheduler import ScheduledBatch, ScheduledSequence
 from .sequence import Sequence, sample_sequences, verify_drafts
@@ -109,6 +111,7 @@ class ModelRunner:
         self.inputs = InputBuffers(model.device, kv_cache.block_size)
         self.graphs: DecodeGraphs | None = None  # set by the engine when it captures decode steps
         self.compiled: CompiledForward | None = None  # set by the engine when it compiles the forward pass
+        self.native: NativeStep | None = None  # set by the engine when short steps run as one native call
         # Set by a tensor-parallel engine (lesson 17): each step's inputs go to the other ranks, which compute it too.
         self.channel: StepChannel | None = None
 
@@ -130,12 +133,21 @@ class ModelRunner:
             logits = self.graphs.run(model_input)  # (R, vocab): the whole forward pass in one replay
             self.profile.forward += time.perf_counter() - prepared
             return self._sample(batch, model_input.sampling_items, logits, ModelRunnerOutput())
-        kv = PagedAttentionStep(self.kv_cache, self.attention_backend, model_input.metadata, self.profile)
-        prepared = time.perf_counter()
-        self.profile.prepare += prepared - started
         sampling = model_input.sampling_items
         wants_prompt_logprobs = any(item.is_prefill and item.seq.params.prompt_logprobs is not None
                                     for item in batch.items)  # they need every position's hidden state
+        if (self.native is not None and self.channel is None and not wants_prompt_logprobs
+                and self.native.can_run(model_input)):
+            prepared = time.perf_counter()
+            self.profile.prepare += prepared - started
+            logits = self.native.run(model_input)  # (R, vocab): the whole forward pass in one native call
+            if logits is not None:  # else handed back (an infinity or a NaN): the step runs below instead
+                self.profile.forward += time.perf_counter() - prepared
+                return self._sample(batch, sampling, logits, ModelRunnerOutput()) if sampling else ModelRunnerOutput()
+            started = time.perf_counter()
+        kv = PagedAttentionStep(self.kv_cache, self.attention_backend, model_input.metadata, self.profile)
+        prepared = time.perf_counter()
+        self.profile.prepare += prepared - started
         # None: the step runs eagerly (nothing compiled, prompt logprobs wanted, or attention the graph cannot run).
         plan = self.compiled.plan_for(kv) if self.compiled is not None and not wants_prompt_logprobs else None
         if self.channel is not None:  # the other ranks run the step the same way, compiled or not

@@ -1,0 +1,228 @@
+"""A step's whole forward pass as one native call: every layer inside one OpenMP parallel region (lesson 19).
+
+The compiled forward pass (compiled_forward.py) takes Python out of a step, but not the operators: a batch-1
+step of the bundled model in its native 4-bit form still calls some 400 of them, and each wakes PyTorch's
+threads, splits a few microseconds of work between them and waits for the slowest. On 2 cores that costs
+more than reading the weights. `csrc/native_step.c` runs the step's embedding, 30 layers and head as stages
+of one parallel region, the threads meeting at a barrier between stages instead of leaving and re-entering
+a thread pool, and reading the weights where the model keeps them (the int4 layers' packing, the Q8_0
+table, the KV pool): nothing is copied or laid out again.
+
+What it covers, checked once (`native_step_unavailable_reason`): a CPU model in bfloat16 whose decoder
+linears are int4 with fused q/k/v and gate/up (the GGUF's own blocks, `quantization="gguf"`, or "int4"),
+without biases or q/k norms, on one rank; the embedding a Q8_0 table or dense, the head a Q8_0 table or
+int4; a bfloat16 pool (`kv_cache_dtype="auto"`); a build with AVX-512 VNNI. Which steps: any whose tokens
+number at most `MAX_TOKENS` and that want no prompt logprobs: decodes, the k + 1 rows of sequences verifying
+drafts, short prefill chunks. The rest run as before (compiled, or eagerly). A step whose activations hold an
+infinity or a NaN is handed back too (`run` returns None), as the int4 kernel does.
+
+The numbers are the operator path's kernels' (the C file says where its rounding can differ): the tests
+check the same greedy tokens and logits within bfloat16's tolerance against the compiled and eager paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..attention.kv_cache import PagedKVCache
+from ..model import CausalLM
+from ..model.quantized_embedding import Q8Embedding, Q8Head
+from ..model.quantized_linear import Int4Linear
+from ..native import FLAG_SETS, KernelUnavailable, build_library
+from .input_batch import ModelInput
+
+SOURCE_DIR = Path(__file__).parent / "csrc"
+# Every file the build reads (the kernels it includes), hashed into the cache key (native/build.py).
+SOURCES = ("native_step.c", "../../model/csrc/quantized_matmul.c", "../../attention/csrc/paged_decode.c",
+           "../../attention/csrc/paged_decode_body.h")
+MAX_TOKENS = 16  # tokens of a step run natively: beyond, a prefill chunk's dense products win
+_C_MAX_TOKENS = 64  # native_step.c's bound (its stack buffers)
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Int4Weight(ctypes.Structure):
+    _fields_ = [("packed", _P), ("scales_and_zeros", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Int4Weight), ("o", _Int4Weight),
+                ("gate_up", _Int4Weight), ("down", _Int4Weight), ("key_pool", _P), ("value_pool", _P)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", _I), ("hidden", _I), ("num_heads", _I), ("num_kv_heads", _I), ("head_dim", _I),
+                ("intermediate", _I), ("vocab", _I), ("group", _I), ("qkv_rows", _I), ("block_size", _I),
+                ("eps", ctypes.c_float), ("attention_scale", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)),
+                ("final_norm", _P), ("embed_q", _P), ("embed_d", _P), ("embed_dense", _P), ("head_q", _P),
+                ("head_d", _P), ("head_int4", _Int4Weight), ("head_rows", _I), ("cos", _P), ("sin", _P),
+                ("max_positions", _I), ("x", _P), ("h", _P), ("qkv", _P), ("attn", _P), ("act", _P), ("t", _P),
+                ("step", _P), ("xsum", _P), ("xf", _P), ("xblock", _P)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("num_tokens", _I), ("num_logits", _I), ("input_ids", _P), ("positions", _P),
+                ("slot_mapping", _P), ("logits_indices", _P), ("query_start_loc", _P), ("block_tables", _P),
+                ("num_seqs", _I), ("table_stride", _I), ("logits", _P)]
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL:
+    """The compiled step (built on first call, then cached on disk and in this process)."""
+    library = build_library("native_step", SOURCE_DIR, SOURCES, ("native_step.c",), FLAG_SETS)
+    library.native_step_bf16.restype = ctypes.c_int
+    library.native_step_bf16.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
+    library.native_step_available.restype = ctypes.c_int
+    library.native_step_available.argtypes = []
+    return library
+
+
+@functools.cache
+def library_unavailable_reason() -> str | None:
+    """None when the step's library builds here with the int4 kernel it runs on; otherwise why not."""
+    from ..model.quantized_kernels import kernels_unavailable_reason
+
+    reason = kernels_unavailable_reason()  # the int4 packing this step reads, checked against PyTorch's
+    if reason is not None:
+        return reason
+    try:
+        library = load_library()
+    except KernelUnavailable as error:
+        return str(error)
+    if not library.native_step_available():
+        return "this CPU (or compiler) has no AVX-512 VNNI and VBMI, which the native step's int4 kernel needs"
+    return None
+
+
+def native_step_unavailable_reason(model: CausalLM, kv_cache_dtype: str) -> str | None:
+    """None when `NativeStep` runs this model's steps; otherwise why not (the module docstring's conditions)."""
+    config = model.config
+    if model.device.type != "cpu":
+        return f"the native step runs on the CPU, the model is on {model.device}"
+    if model.dtype != torch.bfloat16:
+        return f"the native step computes in bfloat16, the model in {model.dtype}"
+    if model.tp is not None:
+        return "the native step runs a whole model, not a tensor-parallel shard"
+    if kv_cache_dtype != "auto":
+        return f"the native step reads a pool in the model's dtype, not {kv_cache_dtype!r}"
+    if config.qk_norm or config.attention_bias or config.mlp_bias:
+        return "the native step has no q/k norms and no biases"
+    groups = set()
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(isinstance(linear, Int4Linear) and linear.bias is None for linear in linears):
+            return "the native step runs int4 linears with q/k/v and gate/up fused (quantization 'gguf' or 'int4')"
+        groups.update(linear.group_size for linear in linears)
+    if len(groups) != 1 or next(iter(groups)) % 32:
+        return f"the native step takes one int4 group size, a multiple of 32, got {sorted(groups)}"
+    embed, head = model.model.embed_tokens, model.lm_head
+    if isinstance(embed, Q8Embedding) and embed.table.m is not None or not isinstance(embed, (Q8Embedding, nn.Embedding)):
+        return "the native step reads a Q8_0 or dense embedding"
+    if isinstance(head, Q8Head) and head.table.m is not None or not isinstance(head, (Q8Head, Int4Linear)):
+        return "the native step's head is a Q8_0 table or int4"
+    if config.hidden_size % 64 or config.intermediate_size % 64 or config.head_dim > 256:
+        return "the native step needs hidden and intermediate sizes in blocks of 64 and a head of at most 256"
+    return library_unavailable_reason()
+
+
+class NativeStep:
+    """Runs steps of at most MAX_TOKENS tokens as one native call over the engine's model and pool. Build it
+    after checking `native_step_unavailable_reason`; it reads the model's and the pool's tensors where they
+    are, so keep both alive and unchanged while it runs."""
+
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, max_model_len: int) -> None:
+        reason = native_step_unavailable_reason(model, "auto")  # the pool's dtype: _check_layouts
+        if reason is not None:
+            raise ValueError(reason)
+        self.model, self.kv_cache, self.library = model, kv_cache, load_library()
+        self.num_runs = 0  # steps that ran natively
+        config, layers = model.config, model.model.layers
+        attention = layers[0].self_attn
+        qkv_rows = attention.qkv_proj.packed.shape[0]
+        hidden, width, inner = config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size
+        group = attention.qkv_proj.group_size
+        with torch.inference_mode():
+            positions = torch.arange(max_model_len)[None]  # (1, L): the model's own tables, as its layers read them
+            cos, sin = (table[0].contiguous() for table in model.model.rotary_emb(positions, model.dtype))  # (L, d)
+        widest = max(hidden, width, inner)
+        bf16, rows = torch.bfloat16, _C_MAX_TOKENS
+        self._keep = [cos, sin]  # every tensor the C side points at that nothing else holds
+        workspace = {name: self._tensor(shape, dtype) for name, shape, dtype in (
+            ("x", (rows, hidden), bf16), ("h", (rows, hidden), bf16), ("qkv", (rows, qkv_rows), bf16),
+            ("attn", (rows, width), bf16), ("act", (rows, inner), bf16), ("t", (rows, widest), torch.int16),
+            ("step", (rows, widest // group), torch.float32), ("xsum", (rows, widest // group), torch.float32),
+            ("xf", (rows, hidden), torch.float32), ("xblock", (rows, hidden // 32), torch.float32))}
+        self._layers = (_Layer * len(layers))(*[
+            _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                   _int4(layer.self_attn.qkv_proj), _int4(layer.self_attn.o_proj), _int4(layer.mlp.gate_up_proj),
+                   _int4(layer.mlp.down_proj), kv_cache.keys[i].data_ptr(), kv_cache.values[i].data_ptr())
+            for i, layer in enumerate(layers)])
+        embed, head = model.model.embed_tokens, model.lm_head
+        self._model = _Model(
+            num_layers=len(layers), hidden=hidden, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim, intermediate=inner, vocab=config.vocab_size, group=group, qkv_rows=qkv_rows,
+            block_size=kv_cache.block_size, eps=config.rms_norm_eps, attention_scale=config.head_dim ** -0.5,
+            layers=self._layers, final_norm=model.model.norm.weight.data_ptr(),
+            embed_q=embed.table.q.data_ptr() if isinstance(embed, Q8Embedding) else None,
+            embed_d=embed.table.d.data_ptr() if isinstance(embed, Q8Embedding) else None,
+            embed_dense=embed.weight.data_ptr() if isinstance(embed, nn.Embedding) else None,
+            head_q=head.table.q.data_ptr() if isinstance(head, Q8Head) else None,
+            head_d=head.table.d.data_ptr() if isinstance(head, Q8Head) else None,
+            head_int4=_int4(head) if isinstance(head, Int4Linear) else _Int4Weight(None, None),
+            head_rows=head.packed.shape[0] if isinstance(head, Int4Linear) else 0,
+            cos=cos.data_ptr(), sin=sin.data_ptr(), max_positions=max_model_len,
+            **{name: tensor.data_ptr() for name, tensor in workspace.items()})
+        self._check_layouts(model, kv_cache)
+
+    def _tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        tensor = torch.empty(shape, dtype=dtype)
+        self._keep.append(tensor)
+        return tensor
+
+    @staticmethod
+    def _check_layouts(model: CausalLM, kv_cache: PagedKVCache) -> None:
+        """Every tensor the C side reads must be contiguous in the layout it assumes."""
+        tensors = [model.model.norm.weight, *kv_cache.keys, *kv_cache.values]
+        for layer in model.model.layers:
+            tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                tensors += [linear.packed, linear.scales_and_zeros]
+                if linear.scales_and_zeros.dtype != torch.bfloat16:
+                    raise ValueError("the native step reads int4 scales in bfloat16")
+        if any(not tensor.is_contiguous() for tensor in tensors):
+            raise ValueError("the native step reads contiguous weights and pools")
+        if kv_cache.keys[0].dtype != torch.bfloat16:
+            raise ValueError(f"the native step reads a bfloat16 pool, not {kv_cache.keys[0].dtype}")
+
+    def can_run(self, model_input: ModelInput) -> bool:
+        """Whether this step is one the native call takes (its token count)."""
+        return 0 < model_input.num_tokens <= MAX_TOKENS
+
+    def run(self, model_input: ModelInput) -> torch.Tensor | None:
+        """The step's logits (R, vocab) in bfloat16, its keys and values stored; None when the native call handed
+        the step back (an infinity or a NaN among its activations), for the caller to run it otherwise."""
+        metadata = model_input.metadata
+        input_ids, positions = model_input.input_ids[0], model_input.positions[0]  # (N,) each
+        tables, logits_indices = metadata.block_tables, model_input.logits_indices
+        for tensor in (input_ids, positions, metadata.slot_mapping, logits_indices):
+            assert tensor.dtype == torch.int64 and tensor.is_contiguous(), "the runner's index buffers are int64"
+        assert tables.dtype == torch.int32 and tables.stride(1) == 1 and metadata.query_start_loc.is_contiguous()
+        logits = torch.empty(logits_indices.shape[0], self.model.config.vocab_size, dtype=torch.bfloat16)
+        step = _Step(num_tokens=input_ids.shape[0], num_logits=logits_indices.shape[0],
+                     input_ids=input_ids.data_ptr(), positions=positions.data_ptr(),
+                     slot_mapping=metadata.slot_mapping.data_ptr(), logits_indices=logits_indices.data_ptr(),
+                     query_start_loc=metadata.query_start_loc.data_ptr(), block_tables=tables.data_ptr(),
+                     num_seqs=metadata.num_seqs, table_stride=tables.stride(0), logits=logits.data_ptr())
+        if self.library.native_step_bf16(ctypes.byref(self._model), ctypes.byref(step)) != 0:
+            return None
+        self.num_runs += 1
+        return logits
+
+
+def _int4(linear: Int4Linear) -> _Int4Weight:
+    return _Int4Weight(linear.packed.data_ptr(), linear.scales_and_zeros.data_ptr())

@@ -1,0 +1,180 @@
+"""The step as one native call (engine/native_step.py): the eager path's logits within bfloat16's rounding, the
+same greedy tokens; each row computed alone, so exactly the same tokens alone, in any batch, with drafts verified
+and with prefix hits; what it covers and why not elsewhere.
+
+The bundled model in its GGUF form (int4 layers, a Q8_0 head) and a random int4 model with an int4 head.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llm_runtime import LLM, SamplingParams
+from llm_runtime.config import ModelConfig
+from llm_runtime.engine.native_step import MAX_TOKENS, library_unavailable_reason, native_step_unavailable_reason
+from llm_runtime.model import CausalLM, load_model
+from llm_runtime.model.quantized_linear import quantize_linears_
+
+pytestmark = pytest.mark.skipif(library_unavailable_reason() is not None,
+                                reason=f"the native step does not run here: {library_unavailable_reason()}")
+
+POOL = 64 << 20
+TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a goldsmith "
+        "from Mainz, combined movable metal type, oil-based ink and a wooden press adapted from wine making.")
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def gguf():
+    return load_model(quantization="gguf")
+
+
+def _random_int4(seed: int = 0) -> CausalLM:
+    """2 layers of random weights, int4 linears and head in bfloat16 (hidden 128, 4 heads of 32, 2 KV heads)."""
+    torch.manual_seed(seed)
+    config = ModelConfig("llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=32, max_position_embeddings=256)
+    model = CausalLM(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.5 if parameter.dim() == 1 else 0.08)
+            if parameter.dim() == 1:
+                parameter.add_(1)
+    model = model.to(torch.bfloat16).eval()
+    quantize_linears_(model, "int4", dtype=torch.bfloat16)
+    return model
+
+
+def _generate(model, prompts, params=GREEDY, **options) -> tuple[list[list[int]], object]:
+    llm = LLM.from_model(model, None, kv_cache_memory=POOL, **options)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs], llm.llm_engine.stats()
+    finally:
+        llm.shutdown()
+
+
+def _prompts(vocab: int, lengths: tuple[int, ...], seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _teacher_forced_logits(model, tokens: list[int], start: int, **options) -> torch.Tensor:
+    """The logits after tokens[:n] for n = start .. len(tokens) - 1 (rows), each a request of its own whose
+    earlier blocks the prefix cache holds: its last few tokens are one short step."""
+    llm = LLM.from_model(model, None, kv_cache_memory=POOL, **options)
+    engine, rows = llm.llm_engine, []
+    sample = engine.model_runner._sample
+
+    def spy(batch, sampling, logits, output):
+        rows.append(logits[-1].float().clone())
+        return sample(batch, sampling, logits, output)
+
+    engine.model_runner._sample = spy
+    try:
+        for n in range(start, len(tokens)):
+            llm.generate([{"prompt_token_ids": tokens[:n]}], SamplingParams(temperature=0, max_tokens=1),
+                         use_tqdm=False)
+        return torch.stack(rows[-(len(tokens) - start):]), engine.stats()
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("which", ["gguf", "random int4 with an int4 head"])
+def test_logits_agree_with_the_eager_path(gguf, which: str) -> None:
+    """Teacher-forced, 16 positions: the native step's logits within bfloat16's rounding of the eager path's
+    (the same kernels; a norm's sum in another order can flip a rounding), the same argmax wherever the eager
+    path's top two are apart by more than that."""
+    model = gguf[0] if which == "gguf" else _random_int4()
+    if which == "gguf":  # text: the model is sure of many next tokens
+        prompt = gguf[1].encode(TEXT)[:40]
+    else:
+        prompt = _prompts(model.config.vocab_size, (40,))[0]
+    tokens = prompt + _generate(model, [prompt], enforce_eager=True)[0][0]
+    native, stats = _teacher_forced_logits(model, tokens, 40, native_step=True)
+    eager, eager_stats = _teacher_forced_logits(model, tokens, 40, enforce_eager=True)
+    assert stats.native_step and stats.num_native_steps == 15 and eager_stats.num_native_steps == 0  # all but the first
+    scale = eager.abs().amax(dim=1)  # (positions,)
+    assert ((native - eager).abs().amax(dim=1) <= 0.05 * scale + 0.25).all()
+    top2 = eager.topk(2, dim=1).values
+    clear = top2[:, 0] - top2[:, 1] > 0.05 * scale + 0.5
+    assert (native.argmax(1) == eager.argmax(1))[clear].all()
+    assert clear.sum() >= 4 or which != "gguf"  # the random model's logits are flat: few clear winners
+
+
+def test_the_chat_answer_and_the_eager_tokens(gguf) -> None:
+    model, tokenizer = gguf
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    texts, tokens = {}, {}
+    for name, options in (("native", {"native_step": True}), ("eager", {"enforce_eager": True})):
+        llm = LLM.from_model(model, tokenizer, kv_cache_memory=POOL, **options)
+        try:
+            output = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+            texts[name], tokens[name] = output.text, output.token_ids
+            assert (llm.llm_engine.stats().num_native_steps > 0) == (name == "native")
+        finally:
+            llm.shutdown()
+    assert texts["native"].startswith("The capital of France is Paris.")
+    assert tokens["native"] == tokens["eager"]
+
+
+@pytest.mark.parametrize("which", ["gguf", "random int4 with an int4 head"])
+def test_each_row_alone_whatever_the_batch(gguf, which: str) -> None:
+    """Every step native (prompts and chunks of at most MAX_TOKENS tokens): a row's numbers do not depend on the
+    rows beside it, so each request's greedy tokens are exactly its tokens alone, batched with chunked prompts,
+    with n-gram drafts verified (k + 1 rows of one sequence in a step) and with prefix hits."""
+    model = gguf[0] if which == "gguf" else _random_int4(1)
+    prompts = _prompts(model.config.vocab_size, (5, 12, 3, 9, 16, 7))
+    shared = prompts[1][:8]
+    prompts += [shared + p[:4] for p in prompts[:3]]  # prefix hits on a cached block of 8... and of 16 tokens
+    alone = [_generate(model, [p], enable_prefix_caching=False)[0][0] for p in prompts]
+    runs = {
+        "batched": dict(max_num_batched_tokens=MAX_TOKENS, max_num_seqs=8, enable_prefix_caching=False),
+        "prefix hits": dict(max_num_batched_tokens=MAX_TOKENS, max_num_seqs=8, block_size=4),
+        "drafts": dict(max_num_batched_tokens=MAX_TOKENS, max_num_seqs=3,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                           "prompt_lookup_min": 1, "prompt_lookup_max": 2}),
+    }
+    for name, options in runs.items():
+        tokens, stats = _generate(model, prompts, **options)
+        assert tokens == alone, name
+        assert stats.num_native_steps > 0 and stats.num_compiled_steps == 0, name
+        if name == "prefix hits":
+            assert stats.prefix_cache_hit_tokens > 0
+        if name == "drafts":
+            assert stats.num_accepted_tokens > 0
+
+
+def test_where_it_runs_and_why_not(gguf) -> None:
+    model = gguf[0]
+    assert native_step_unavailable_reason(model, "auto") is None
+    assert "int8" in native_step_unavailable_reason(model, "int8")
+    float32, _ = load_model(None, dtype="float32")
+    assert "bfloat16" in native_step_unavailable_reason(float32, "auto")
+    with pytest.raises(ValueError, match="native_step=True, but"):
+        LLM.from_model(float32, None, kv_cache_memory=POOL, native_step=True)
+    with pytest.raises(ValueError, match="enforce_eager"):
+        LLM.from_model(model, None, kv_cache_memory=POOL, native_step=True, enforce_eager=True)
+    for options, expected in (({}, True), ({"native_step": False}, False), ({"enforce_eager": True}, False),
+                              ({"kv_cache_dtype": "int8"}, False)):
+        llm = LLM.from_model(model, None, kv_cache_memory=POOL, **options)
+        try:
+            assert llm.llm_engine.stats().native_step == expected, options
+        finally:
+            llm.shutdown()
+
+
+def test_long_steps_and_prompt_logprobs_run_otherwise(gguf) -> None:
+    """A prompt longer than MAX_TOKENS (one step) and a request wanting prompt logprobs are not native steps;
+    the decodes after them are."""
+    model = gguf[0]
+    prompt = _prompts(model.config.vocab_size, (MAX_TOKENS + 9,))[0]
+    for params, native_steps in ((SamplingParams(temperature=0, max_tokens=4), 3),
+                                 (SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1), 3)):
+        tokens, stats = _generate(model, [prompt], params)
+        assert stats.num_native_steps == native_steps and len(tokens[0]) == 4
+    short = prompt[:6]
+    _, stats = _generate(model, [short], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1))
+    assert stats.num_native_steps == 3  # the prompt's step wanted its logprobs: run otherwise
