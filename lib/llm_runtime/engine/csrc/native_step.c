@@ -25,9 +25,9 @@
  *
  * The numbers are the operator path's: this file includes the int4 and Q8_0 kernels (quantized_matmul.c) and
  * the paged attention kernel (paged_decode.c) and calls their inner functions on the same inputs, rounding to
- * bfloat16 where that path's tensors are bfloat16. What differs: the RMSNorm's sum of squares and the
- * rotary's products are summed in another order (float32, then rounded to bfloat16 as there), and more than
- * DENSE_ROWS rows are not turned into a dense product. So logits agree to bfloat16's rounding, not bitwise.
+ * bfloat16 where that path's tensors are bfloat16. What differs: the RMSNorm's sum of squares is summed in
+ * another order and silu's exponential is libm's, so a rounding to bfloat16 can fall the other way now and then;
+ * logits agree to bfloat16's rounding, not always bitwise (tests/engine/test_native_step.py).
  *
  * `native_step_bf16` returns 0, or 1 for a shape it does not take (the caller runs the step otherwise).
  */
