@@ -19,6 +19,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -193,6 +194,18 @@ def _collect(runner: str, workload: Workload, start: float, duration: float,
         outputs.append(list(tokens))
         timings.append(RequestTiming(start + request.arrival_time, tuple(times), len(request.prompt_token_ids)))
     return RunResult(runner, outputs, timings, duration, info or {})
+
+
+def log_tail(path: Path, offset: int, lines: int = 30) -> str:
+    """The last `lines` lines written to the log at `path` after byte `offset` (one run's part of a log that a
+    runner's subprocess appends to), for an error message."""
+    try:
+        with path.open("rb") as log:
+            log.seek(offset)
+            text = log.read().decode(errors="replace")
+    except OSError as error:
+        return f"(could not read it: {error})"
+    return "\n".join(text.rstrip().splitlines()[-lines:]) or "(nothing)"
 
 
 def _wait_for_arrivals(workload: Workload, queue: list[int], start: float) -> list[int]:

@@ -27,13 +27,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..distributed.launch import free_port
-from .benchmark import RunResult, Workload, _collect
+from .benchmark import RunResult, Workload, _collect, log_tail
 
 if TYPE_CHECKING:
     from ..engine import LLMEngine
 
 DEFAULT_LLAMACPP_DIR = Path(".llamacpp") / "bin"
-_LOG_TAIL_LINES = 30
 
 
 def require_llamacpp(bin_dir: str | Path = DEFAULT_LLAMACPP_DIR, tool: str = "llama-server") -> Path:
@@ -165,7 +164,7 @@ class LlamaServerRunner:
             while time.monotonic() < deadline:
                 if process.poll() is not None:
                     raise RuntimeError(f"llama-server exited with status {process.returncode}; its log "
-                                       f"({self.log_path}) ends with:\n{self._log_tail(log_offset)}")
+                                       f"({self.log_path}) ends with:\n{log_tail(self.log_path, log_offset)}")
                 try:
                     if (await client.get(f"http://127.0.0.1:{port}/health")).status_code == 200:
                         # a warm-up request, untimed: the first one pays for buffers and threads
@@ -176,7 +175,7 @@ class LlamaServerRunner:
                     pass
                 await asyncio.sleep(0.2)
         raise RuntimeError(f"llama-server did not answer /health within {self.startup_timeout:g} s; its log "
-                           f"({self.log_path}) ends with:\n{self._log_tail(log_offset)}")
+                           f"({self.log_path}) ends with:\n{log_tail(self.log_path, log_offset)}")
 
     async def _serve(self, port: int, workload: Workload) -> tuple[dict[int, tuple[list[int], list[float]]], float]:
         """Every request at its arrival time, streamed; each one's tokens and their times since the start."""
@@ -210,13 +209,4 @@ class LlamaServerRunner:
             await asyncio.gather(*(one(i) for i in range(len(workload.requests))))
             duration = time.perf_counter() - start
         return finished, duration
-
-    def _log_tail(self, offset: int, lines: int = _LOG_TAIL_LINES) -> str:
-        try:
-            with self.log_path.open("rb") as log:
-                log.seek(offset)
-                text = log.read().decode(errors="replace")
-        except OSError as error:
-            return f"(could not read it: {error})"
-        return "\n".join(text.rstrip().splitlines()[-lines:]) or "(nothing)"
 

@@ -21,11 +21,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from .benchmark import RunResult, Workload, _collect
+from .benchmark import RunResult, Workload, _collect, log_tail
 
 DEFAULT_VLLM_PYTHON = Path(".venv-vllm") / "bin" / "python"
 WORKER_SCRIPT = Path(__file__).with_name("vllm_worker.py")
-_LOG_TAIL_LINES = 30
 
 
 def cpu_list(cpus: Sequence[int]) -> str:
@@ -124,14 +123,14 @@ class VLLMRunner:
             returncode = process.wait(timeout=self.timeout)
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"the vLLM worker did not finish within {self.timeout:g} s; "
-                               f"its log ({self.log_path}) ends with:\n{self._log_tail(log_offset)}") from None
+                               f"its log ({self.log_path}) ends with:\n{log_tail(self.log_path, log_offset)}") from None
         finally:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
         if returncode != 0:
             raise RuntimeError(f"the vLLM worker failed (exit status {returncode}); its log ({self.log_path}) "
-                               f"ends with:\n{self._log_tail(log_offset)}")
+                               f"ends with:\n{log_tail(self.log_path, log_offset)}")
 
     def _read_result(self, result_path: Path, workload: Workload, log_offset: int) -> dict:
         try:
@@ -140,7 +139,7 @@ class VLLMRunner:
             float(result["duration"])
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise RuntimeError(f"the vLLM worker wrote no readable result ({type(error).__name__}: {error}); "
-                               f"its log ({self.log_path}) ends with:\n{self._log_tail(log_offset)}") from error
+                               f"its log ({self.log_path}) ends with:\n{log_tail(self.log_path, log_offset)}") from error
         if len(requests) != len(workload.requests):
             raise RuntimeError(f"the vLLM worker returned {len(requests)} requests for {len(workload.requests)}")
         for i, request in enumerate(requests):
@@ -148,13 +147,3 @@ class VLLMRunner:
                 raise RuntimeError(f"the vLLM worker returned {len(request['token_ids'])} tokens but "
                                    f"{len(request['token_times'])} token times for request {i}")
         return result
-
-    def _log_tail(self, offset: int, lines: int = _LOG_TAIL_LINES) -> str:
-        """The last lines the worker wrote to the log after `offset` (this run's part of it)."""
-        try:
-            with self.log_path.open("rb") as log:
-                log.seek(offset)
-                text = log.read().decode(errors="replace")
-        except OSError as error:
-            return f"(could not read it: {error})"
-        return "\n".join(text.rstrip().splitlines()[-lines:]) or "(nothing)"
