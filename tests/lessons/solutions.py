@@ -1039,6 +1039,53 @@ def cache_aware_choice_always_the_best_match(hashes: list, remembered: list, in_
     return max(range(len(matches)), key=lambda i: (matches[i], -i))
 
 
+# ---------------------------------------------------------------------------------------------------- lesson 19
+def silu_and_mul_bf16(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    g = gate.float()
+    activated = (g / (1 + torch.exp(-g))).to(torch.bfloat16)  # silu's output is a bfloat16 tensor
+    return (activated.float() * up.float()).to(torch.bfloat16)
+
+
+def silu_and_mul_bf16_rounded_once(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    g = gate.float()
+    return (g / (1 + torch.exp(-g)) * up.float()).to(torch.bfloat16)  # a fused loop's rounding, not eager's
+
+
+def silu_and_mul_bf16_float32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    g = gate.float()
+    return g / (1 + torch.exp(-g)) * up.float()  # never rounded back
+
+
+def half_block_rows(item: int) -> list[int]:
+    block, half = divmod(item, 2)
+    first = 64 * block + 16 * half
+    return list(range(first, first + 16)) + list(range(first + 32, first + 48))
+
+
+def half_block_rows_contiguous(item: int) -> list[int]:
+    return list(range(32 * item, 32 * item + 32))
+
+
+def half_block_rows_low_nibbles_only(item: int) -> list[int]:
+    block, half = divmod(item, 2)
+    return list(range(64 * block + 32 * half, 64 * block + 32 * half + 32))
+
+
+def static_schedule(num_items: int, num_threads: int) -> list[range]:
+    base, extra = divmod(num_items, num_threads)
+    starts = [t * base + min(t, extra) for t in range(num_threads + 1)]
+    return [range(starts[t], starts[t + 1]) for t in range(num_threads)]
+
+
+def static_schedule_ceil_chunks(num_items: int, num_threads: int) -> list[range]:
+    chunk = -(-num_items // num_threads)
+    return [range(min(t * chunk, num_items), min((t + 1) * chunk, num_items)) for t in range(num_threads)]
+
+
+def static_schedule_round_robin(num_items: int, num_threads: int) -> list[list[int]]:
+    return [list(range(t, num_items, num_threads)) for t in range(num_threads)]
+
+
 SOLUTIONS: dict[str, Callable] = {
     "lesson01.rms_norm": rms_norm,
     "lesson01.kv_bytes_per_token": kv_bytes_per_token,
@@ -1084,6 +1131,9 @@ SOLUTIONS: dict[str, Callable] = {
     "lesson18.shipped_kv_bytes": shipped_kv_bytes,
     "lesson18.goodput": goodput_under_targets,
     "lesson18.cache_aware_choice": cache_aware_choice,
+    "lesson19.silu_and_mul_bf16": silu_and_mul_bf16,
+    "lesson19.half_block_rows": half_block_rows,
+    "lesson19.static_schedule": static_schedule,
 }
 
 WRONG: dict[str, list[Callable]] = {
@@ -1134,4 +1184,7 @@ WRONG: dict[str, list[Callable]] = {
     "lesson18.shipped_kv_bytes": [shipped_kv_bytes_every_token, shipped_kv_bytes_keys_only],
     "lesson18.goodput": [goodput_under_targets_dropping_single_tokens, goodput_under_targets_by_mean_itl_of_all],
     "lesson18.cache_aware_choice": [cache_aware_choice_counting_any_hash, cache_aware_choice_always_the_best_match],
+    "lesson19.silu_and_mul_bf16": [silu_and_mul_bf16_rounded_once, silu_and_mul_bf16_float32],
+    "lesson19.half_block_rows": [half_block_rows_contiguous, half_block_rows_low_nibbles_only],
+    "lesson19.static_schedule": [static_schedule_ceil_chunks, static_schedule_round_robin],
 }

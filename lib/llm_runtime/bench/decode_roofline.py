@@ -68,14 +68,16 @@ def decode_step_seconds(model: CausalLM, engine_options: dict[str, object], *, o
 
 
 def interleaved_step_seconds(engines: dict[str, LLMEngine], *, prompt_len: int = 32, num_steps: int = 64,
-                             warmup: int = 8) -> dict[str, float]:
-    """Median seconds of a step decoding one sequence in each engine (idle ones), the engines stepping in turn:
-    on a noisy machine a slow moment slows every engine alike, so their ratios hold."""
+                             warmup: int = 8, batch_size: int = 1) -> dict[str, float]:
+    """Median seconds of a step decoding `batch_size` sequences in each engine (idle ones), the engines stepping in
+    turn: on a noisy machine a slow moment slows every engine alike, so their ratios hold."""
     for engine in engines.values():
         vocab_size = engine.model.config.vocab_size
-        prompt = torch.randint(3, vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0))
-        engine.add_request("decode", {"prompt_token_ids": prompt.tolist()},
-                           SamplingParams(temperature=0, max_tokens=warmup + num_steps + 2, ignore_eos=True))
+        generator = torch.Generator().manual_seed(0)
+        for i in range(batch_size):
+            prompt = torch.randint(3, vocab_size, (prompt_len,), generator=generator)
+            engine.add_request(f"decode-{i}", {"prompt_token_ids": prompt.tolist()},
+                               SamplingParams(temperature=0, max_tokens=warmup + num_steps + 2, ignore_eos=True))
         for _ in range(1 + warmup):  # the prefill, then steps that may still compile or warm caches
             engine.step()
     times: dict[str, list[float]] = {name: [] for name in engines}
@@ -85,7 +87,8 @@ def interleaved_step_seconds(engines: dict[str, LLMEngine], *, prompt_len: int =
             engine.step()  # returns after the sampled token reached the host: the GPU's work is done
             times[name].append(time.perf_counter() - start)
     for engine in engines.values():
-        engine.abort_request("decode")
+        for i in range(batch_size):
+            engine.abort_request(f"decode-{i}")
     return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 

@@ -1,6 +1,6 @@
 """Exercise checkers for the lessons: the reader writes a small function, a checker runs it against the package.
 
-One module per lesson (`lesson01` ... `lesson18`), each with two or three `check_<name>(fn)` functions.
+One module per lesson (`lesson01` ... `lesson19`), each with two or three `check_<name>(fn)` functions.
 A checker calls the package's own implementation and the reader's function on the same seeded,
 small, random inputs (on the CPU, in well under two seconds) and returns a `Verdict`: passed, failed
 with the first input where the two differ (expected against got), or not attempted yet (the stub
@@ -14,6 +14,6 @@ Reference solutions live in the repository's tests (`tests/lessons/solutions.py`
 
 from .check import Case, Verdict, run_cases
 
-LESSONS = tuple(f"lesson{number:02d}" for number in range(1, 19))
+LESSONS = tuple(f"lesson{number:02d}" for number in range(1, 20))
 
 __all__ = ["LESSONS", "Case", "Verdict", "run_cases"]
