@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -216,6 +217,42 @@ def test_a_hung_worker_makes_the_engine_dead_at_the_step_timeout(tiny_checkpoint
     finally:
         llm.shutdown()
     assert not worker.is_alive()
+
+
+def test_rank_0_sends_no_longer_than_the_step_timeout_to_a_rank_that_never_listens() -> None:
+    """Gloo's root waits for each receiver to post its receive, and the control group's own timeout is a year: a
+    worker stopped between steps once hung rank 0 in the next step's header. Rank 0's waits have the step's
+    deadline (the group's `timeout`); the other ranks' waits between steps have none."""
+    from llm_runtime.distributed.group import init_tensor_parallel
+    from llm_runtime.distributed.launch import free_port
+
+    port = free_port()
+    script = textwrap.dedent(f"""
+        import time
+        from llm_runtime.distributed.group import init_tensor_parallel
+        tp = init_tensor_parallel(1, 2, "cpu", "127.0.0.1", {port}, timeout_s=1.0)
+        time.sleep(60)  # joined, and never receives
+    """)
+    other = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        tp = init_tensor_parallel(0, 2, "cpu", "127.0.0.1", port, timeout_s=1.0)
+        raised: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                tp.broadcast_from_first(torch.zeros(9, dtype=torch.int64), control=True)
+            except BaseException as error:
+                raised.append(error)
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        sender.join(timeout=15)  # a regression hangs here: the other rank's end (finally) then releases it
+        assert not sender.is_alive(), "rank 0 still waits for a rank that never receives"
+        assert raised and isinstance(raised[0], RuntimeError) and "timed out" in str(raised[0]), raised
+        tp.abort()
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_no_worker_outlives_a_killed_parent(tiny_checkpoints) -> None:

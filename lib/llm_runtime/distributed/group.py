@@ -65,6 +65,9 @@ class TensorParallelGroup:
     # A collective's timeout while `patient()`: ranks that compile their forward pass reach its first collective
     # as far apart as their compilers take.
     _patient_timeout: datetime.timedelta | None = field(init=False, default=None, repr=False)
+    # How long a step's collective may wait for the other ranks (the compute group's timeout). Each `.wait()` is
+    # given it as a deadline of its own: gloo's timeout alone once left rank 0 waiting forever on a stopped rank.
+    timeout: datetime.timedelta | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -108,7 +111,7 @@ class TensorParallelGroup:
         options = dist.AllreduceOptions()
         if self._patient_timeout is not None:
             options.timeout = self._patient_timeout
-        self.group.allreduce([x], options).wait()
+        self._wait(self.group, self.group.allreduce([x], options))
 
     def _gather_now(self, x: torch.Tensor) -> torch.Tensor:
         assert self.group is not None
@@ -120,26 +123,44 @@ class TensorParallelGroup:
         if self._patient_timeout is not None:
             options.timeout = self._patient_timeout
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_first else []
-        self.group.gather([parts] if self.is_first else [], [x], options).wait()
+        self._wait(self.group, self.group.gather([parts] if self.is_first else [], [x], options))
         return torch.cat(parts, dim=-1) if self.is_first else x.clone()
 
     def broadcast_from_first(self, x: torch.Tensor, control: bool = False) -> torch.Tensor:
         """Rank 0's x on every rank (the same shape and dtype everywhere), in place; returns it. `control`: over the
-        control group (a CPU tensor; waits as long as rank 0 takes)."""
+        control group (a CPU tensor; the other ranks wait there as long as rank 0 takes, rank 0 no longer than a
+        step's collective)."""
         if self.size > 1:
             group = self.control if control else self.group
             assert group is not None
             options = dist.BroadcastOptions()
             options.rootRank = 0
-            group.broadcast([x], options).wait()
+            work = group.broadcast([x], options)
+            if control and not self.is_first:
+                work.wait()
+            else:
+                self._wait(group, work)
         return x
+
+    def _wait(self, group: dist.ProcessGroup, work: dist.Work) -> None:
+        """Wait for a collective until the deadline (`patient()`'s, else the step's); past it, raise. Gloo only:
+        an NCCL work's `wait` with a deadline would block the host until the GPU finished (NCCL's own watchdog
+        enforces the group's timeout), where a plain one only orders the streams."""
+        deadline = self._patient_timeout or self.timeout
+        if deadline is None or not isinstance(group, dist.ProcessGroupGloo):
+            work.wait()
+        elif not work.wait(deadline):  # gloo raises past the deadline; a backend that returns False, likewise
+            raise RuntimeError(f"a collective waited over {deadline.total_seconds():g} s for the other ranks")
 
     def close(self) -> None:
         """Leave the group at the end of a script (torchrun's ranks): wait until every rank is here, then shut the
         groups down. A rank whose process exits with its group still open can die in gloo's teardown while
         another rank still talks to it ("terminate called without an active exception")."""
         if self.size > 1:
-            self.broadcast_from_first(torch.zeros(1), control=True)  # every rank has finished its collectives
+            options = dist.BroadcastOptions()
+            options.rootRank = 0
+            assert self.control is not None
+            self.control.broadcast([torch.zeros(1)], options).wait()  # every rank has finished its collectives
             for group in (self.group, self.control):
                 if group is not None:
                     group.shutdown()
@@ -200,7 +221,7 @@ def init_tensor_parallel(rank: int | None = None, size: int | None = None, devic
     else:
         group = dist.ProcessGroupGloo(compute_store, rank, size, timeout)
     control = dist.ProcessGroupGloo(control_store, rank, size, datetime.timedelta(days=365))
-    return TensorParallelGroup(rank, size, group, control=control)
+    return TensorParallelGroup(rank, size, group, control=control, timeout=timeout)
 
 
 _HANDLES = itertools.count(1)

@@ -218,7 +218,8 @@ class ShardWorkers:
 
     def configure(self, settings: ShardSettings) -> None:
         """Every worker's pool and backend (once, after rank 0 sized its own)."""
-        self.channel.send_object(settings)
+        with self.tp.patient():  # a worker still loading its shard receives it when it is done
+            self.channel.send_object(settings)
 
     def check(self) -> str | None:
         """None while every worker lives; else what happened to the first that did not."""
