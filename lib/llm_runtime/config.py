@@ -262,7 +262,8 @@ class EngineConfig:
     enforce_eager: bool = False  # as vLLM's: no torch.compile, no CUDA graphs; every step runs eagerly
     # Steps of a few tokens (decodes, drafts verified, short chunks) as one native call, every layer inside one
     # OpenMP parallel region (engine/native_step.py, lesson 19): CPU models in bfloat16 with int4 layers (the GGUF's
-    # own, quantization "gguf" or "int4"). None: wherever it applies, unless enforce_eager.
+    # own, quantization "gguf" or "int4"), and dense float32 and bfloat16 ones (whose linears the engine then leaves
+    # unpacked unless prepack_weights=True). None: wherever it applies, unless enforce_eager.
     native_step: bool | None = None
     # Batch invariance (model/batch_invariant.py, lesson 16): a request's logits bitwise the same whatever else runs
     # in its steps, however its prompt is chunked or cached, with or without speculation, in a prefill chunk or a

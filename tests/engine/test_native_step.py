@@ -1,8 +1,9 @@
-"""The step as one native call (engine/native_step.py): the eager path's logits within bfloat16's rounding, the
+"""The step as one native call (engine/native_step.py): the eager path's logits within the dtype's rounding, the
 same greedy tokens; each row computed alone, so exactly the same tokens alone, in any batch, with drafts verified
 and with prefix hits; what it covers and why not elsewhere.
 
-The bundled model in its GGUF form (int4 layers, a Q8_0 head) and a random int4 model with an int4 head.
+The bundled model in its GGUF form (int4 layers, a Q8_0 head), a random int4 model with an int4 head, and the
+bundled model's dense weights in float32 and bfloat16 (the dense products, tests at the end).
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ import torch
 
 from llm_runtime import LLM, SamplingParams
 from llm_runtime.config import ModelConfig
+from llm_runtime.engine.kv_budget import tensor_bytes
 from llm_runtime.engine.native_step import MAX_TOKENS, library_unavailable_reason, native_step_unavailable_reason
 from llm_runtime.model import CausalLM, load_model
 from llm_runtime.model.quantized_linear import quantize_linears_
 
-pytestmark = pytest.mark.skipif(library_unavailable_reason() is not None,
-                                reason=f"the native step does not run here: {library_unavailable_reason()}")
+needs_int4 = pytest.mark.skipif(library_unavailable_reason() is not None,
+                                reason=f"the native int4 step does not run here: {library_unavailable_reason()}")
+needs_dense = pytest.mark.skipif(library_unavailable_reason(dense=True) is not None,
+                                 reason=f"the native dense step does not run here: {library_unavailable_reason(True)}")
 
 POOL = 64 << 20
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a goldsmith "
@@ -83,6 +87,7 @@ def _teacher_forced_logits(model, tokens: list[int], start: int, **options) -> t
         llm.shutdown()
 
 
+@needs_int4
 @pytest.mark.parametrize("which", ["gguf", "random int4 with an int4 head"])
 def test_logits_agree_with_the_eager_path(gguf, which: str) -> None:
     """Teacher-forced, 16 positions: the native step's logits within bfloat16's rounding of the eager path's
@@ -105,6 +110,7 @@ def test_logits_agree_with_the_eager_path(gguf, which: str) -> None:
     assert clear.sum() >= 4 or which != "gguf"  # the random model's logits are flat: few clear winners
 
 
+@needs_int4
 def test_the_chat_answer_and_the_eager_tokens(gguf) -> None:
     model, tokenizer = gguf
     messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -122,6 +128,7 @@ def test_the_chat_answer_and_the_eager_tokens(gguf) -> None:
     assert tokens["native"] == tokens["eager"]
 
 
+@needs_int4
 @pytest.mark.parametrize("which", ["gguf", "random int4 with an int4 head"])
 def test_each_row_alone_whatever_the_batch(gguf, which: str) -> None:
     """Every step native (prompts in chunks of at most MAX_TOKENS tokens): a row's numbers do not depend on the
@@ -150,14 +157,15 @@ def test_each_row_alone_whatever_the_batch(gguf, which: str) -> None:
             assert stats.num_accepted_tokens > 0
 
 
+@needs_int4
 def test_where_it_runs_and_why_not(gguf) -> None:
     model = gguf[0]
     assert native_step_unavailable_reason(model, "auto") is None
     assert "int8" in native_step_unavailable_reason(model, "int8")
-    float32, _ = load_model(None, dtype="float32")
-    assert "bfloat16" in native_step_unavailable_reason(float32, "auto")
+    int8, _ = load_model(None, quantization="int8")
+    assert "dense layers" in native_step_unavailable_reason(int8, "auto")
     with pytest.raises(ValueError, match="native_step=True, but"):
-        LLM.from_model(float32, None, kv_cache_memory=POOL, native_step=True)
+        LLM.from_model(int8, None, kv_cache_memory=POOL, native_step=True)
     with pytest.raises(ValueError, match="enforce_eager"):
         LLM.from_model(model, None, kv_cache_memory=POOL, native_step=True, enforce_eager=True)
     for options, expected in (({}, True), ({"native_step": False}, False), ({"enforce_eager": True}, False),
@@ -169,6 +177,7 @@ def test_where_it_runs_and_why_not(gguf) -> None:
             llm.shutdown()
 
 
+@needs_int4
 def test_long_steps_and_prompt_logprobs_run_otherwise(gguf) -> None:
     """A prompt longer than MAX_TOKENS (one step) and a request wanting prompt logprobs are not native steps;
     the decodes after them are."""
@@ -181,3 +190,91 @@ def test_long_steps_and_prompt_logprobs_run_otherwise(gguf) -> None:
     short = prompt[:6]
     _, (stats, _) = _generate(model, [short], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1))
     assert stats.num_native_steps == 3  # the prompt's step wanted its logprobs: run otherwise
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return {dtype: load_model(dtype=dtype) for dtype in ("float32", "bfloat16")}
+
+
+@needs_dense
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dense_logits_agree_with_the_eager_path(dense, dtype: str) -> None:
+    """Dense weights, teacher-forced over 16 positions: within float32's rounding of the eager path (its sums
+    in another order), within bfloat16's in bfloat16; the same argmax wherever the top two are apart."""
+    model, tokenizer = dense[dtype]
+    prompt = tokenizer.encode(TEXT)[:40]
+    tokens = prompt + _generate(model, [prompt], enforce_eager=True)[0][0]
+    native, stats = _teacher_forced_logits(model, tokens, 40, native_step=True, block_size=MAX_TOKENS)
+    eager, _ = _teacher_forced_logits(model, tokens, 40, enforce_eager=True, block_size=MAX_TOKENS)
+    assert stats.native_step and stats.num_native_steps == 15
+    scale = eager.abs().amax(dim=1)  # (positions,)
+    tolerance = (1e-4 * scale + 1e-3) if dtype == "float32" else (0.05 * scale + 0.25)
+    assert ((native - eager).abs().amax(dim=1) <= tolerance).all()
+    top2 = eager.topk(2, dim=1).values
+    clear = top2[:, 0] - top2[:, 1] > tolerance + (0.25 if dtype == "bfloat16" else 0.0)
+    assert clear.sum() >= 3 and (native.argmax(1) == eager.argmax(1))[clear].all()
+
+
+@needs_dense
+def test_dense_float32_gives_the_eager_and_compiled_tokens(dense) -> None:
+    """float32: the greedy tokens of the eager path and of the compiled forward pass, on text prompts; the
+    engine that owns its model leaves its weights plain for the native step (not packed: no second copy)."""
+    model, tokenizer = dense["float32"]
+    prompts = [tokenizer.encode(text) for text in (TEXT, "def fibonacci(n):", "The capital of France is")]
+    native, (stats, _) = _generate(model, prompts, native_step=True)
+    assert stats.num_native_steps > 0 and not stats.prepacked_weights
+    assert native == _generate(model, prompts, enforce_eager=True)[0]
+    assert native == _generate(model, prompts, compile_model=True, native_step=False)[0]
+
+
+@needs_dense
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dense_rows_alone_whatever_the_batch(dense, dtype: str) -> None:
+    """Every step native: each request's greedy tokens exactly its tokens alone, batched with chunked prompts,
+    with n-gram drafts verified and with prefix hits."""
+    model = dense[dtype][0]
+    prompts = _prompts(model.config.vocab_size, (5, 12, 3, 9, 16, 7))
+    prompts += [prompts[1][:8] + p[:4] for p in prompts[:3]]
+    alone = [_generate(model, [p], max_num_batched_tokens=MAX_TOKENS, max_num_seqs=1,
+                       enable_prefix_caching=False)[0][0] for p in prompts]
+    for name, options in {
+        "batched": dict(max_num_batched_tokens=MAX_TOKENS, max_num_seqs=8, enable_prefix_caching=False),
+        "prefix hits": dict(max_num_batched_tokens=MAX_TOKENS, max_num_seqs=8, block_size=4),
+        "drafts": dict(max_num_batched_tokens=MAX_TOKENS, max_num_seqs=3,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                           "prompt_lookup_min": 1, "prompt_lookup_max": 2}),
+    }.items():
+        tokens, (stats, num_steps) = _generate(model, prompts, **options)
+        assert tokens == alone, name
+        assert stats.num_native_steps == num_steps, name
+
+
+@needs_dense
+def test_packed_weights_get_a_plain_copy_that_the_budget_counts(dense) -> None:
+    """Asked to pack (prepack_weights=True), the engine packs the model in place and the native step reads a
+    plain copy, which the memory book counts; the tokens are the plain model's. Not asked, an owned model stays
+    plain and the native step's weights are the model's own tensors (counted once)."""
+    model, tokenizer = load_model(dtype="bfloat16")
+    prompt = [tokenizer.encode(TEXT)[:24]]
+    plain_llm = LLM.from_model(model, None, kv_cache_memory=POOL, owns_model=True)
+    try:
+        engine = plain_llm.llm_engine
+        assert engine.stats().native_step and not engine.stats().prepacked_weights
+        assert tensor_bytes(engine.native_weights) > 0
+        whole = sum(tensor_bytes(m) for m in engine.device_models)
+        assert whole > tensor_bytes(model) and tensor_bytes(torch.nn.ModuleList(engine.device_models)) == \
+            tensor_bytes(model)  # the same storages: nothing copied
+        expected = plain_llm.generate([{"prompt_token_ids": p} for p in prompt], GREEDY, use_tqdm=False)
+    finally:
+        plain_llm.shutdown()
+    packed_llm = LLM.from_model(model, None, kv_cache_memory=POOL, prepack_weights=True)
+    try:
+        engine = packed_llm.llm_engine
+        assert engine.stats().native_step and engine.stats().prepacked_weights
+        assert tensor_bytes(torch.nn.ModuleList(engine.device_models)) > tensor_bytes(model)  # the copy counts
+        got = packed_llm.generate([{"prompt_token_ids": p} for p in prompt], GREEDY, use_tqdm=False)
+        assert engine.stats().num_native_steps > 0
+    finally:
+        packed_llm.shutdown()
+    assert got[0].outputs[0].token_ids == expected[0].outputs[0].token_ids

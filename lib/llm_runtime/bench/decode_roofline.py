@@ -9,8 +9,9 @@ roofline / step says how much of the step is the unavoidable part.
     python -m llm_runtime roofline --device cuda --dtype bfloat16 --modes eager,compiled,graphs
 
 Modes are engine settings: "eager" (enforce_eager), "compiled" (on the CPU the whole forward pass as one
-torch.compile graph, `compile_model`; on CUDA the pointwise parts compiled, no graphs) and "graphs"
-(compiled, and decode steps replayed from CUDA graphs; CUDA only).
+torch.compile graph, `compile_model`; on CUDA the pointwise parts compiled, no graphs), "graphs"
+(compiled, and decode steps replayed from CUDA graphs; CUDA only) and "native" (the step as one native call,
+engine/native_step.py; the CPU only).
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ MODES: dict[str, dict[str, object]] = {
     "eager": {"enforce_eager": True},
     "compiled": {"compile_pointwise": True, "cuda_graphs": False},  # on CUDA; on the CPU, CPU_COMPILED
     "graphs": {"compile_pointwise": True, "cuda_graphs": True},
+    "native": {"compile_model": True, "native_step": True},  # the CPU's: the step as one native call (lesson 19)
 }
-CPU_COMPILED: dict[str, object] = {"compile_model": True}  # what "compiled" is on the CPU (no graphs to replay)
+# What "compiled" is on the CPU (no graphs to replay): the compiled forward pass, not the native step.
+CPU_COMPILED: dict[str, object] = {"compile_model": True, "native_step": False}
 
 
 def mode_options(mode: str, device: torch.device) -> dict[str, object]:
@@ -101,6 +104,8 @@ def measure(model: CausalLM, modes: list[str], *, prompt_len: int = 32, num_step
         raise ValueError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
     if "graphs" in modes and model.device.type != "cuda":
         raise ValueError("the graphs mode needs a CUDA device")
+    if "native" in modes and model.device.type != "cpu":
+        raise ValueError("the native mode runs on the CPU")
     dtype_size = model.dtype.itemsize
     nbytes = weight_bytes(model.config, dtype_size)
     if bandwidth is None:
@@ -142,8 +147,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         model, _ = load_model(args.model, device=args.device, dtype=args.dtype)
-        modes = args.modes.split(",") if args.modes else [m for m in MODES if m != "graphs" or
-                                                          model.device.type == "cuda"]
+        only = {"graphs": "cuda", "native": "cpu"}  # the modes one device type runs
+        modes = args.modes.split(",") if args.modes else [m for m in MODES if only.get(m, model.device.type)
+                                                          == model.device.type]
         results = measure(model, modes, prompt_len=args.prompt_len, num_steps=args.num_steps)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..attention.kv_calibration import calibrate_kv_scales, calibration_token_ids
 from ..attention.kv_cache import PagedKVCache, kv_block_bytes
@@ -52,7 +53,7 @@ from ..spec_decode.proposer import Proposer
 from ..spec_decode.stats import SpeculationStats
 from ..structured_output import GrammarState
 from .compiled_forward import CompiledForward, compiled_forward_unavailable_reason
-from .native_step import NativeStep, native_step_unavailable_reason
+from .native_step import DenseWeights, NativeStep, native_step_unavailable_reason, uses_dense_weights
 from .cuda_graphs import DecodeGraphs, graph_memory_bytes, graphs_unavailable_reason
 from .host_memory import keep_freed_host_memory
 from .input_processor import EngineRequest, InputProcessor, Messages, Prompt
@@ -144,6 +145,7 @@ class LLMEngine:
                 owns_model: bool, draft_model: CausalLM | None) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.native_weights: DenseWeights | None = None
         self.config = config = config or EngineConfig()
         limit = model.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
@@ -166,7 +168,11 @@ class LLMEngine:
             reason = batch_invariant_unsupported_reason(model, triton=self._invariant_triton)
             if reason is not None:
                 raise ValueError(reason)
-        self._pack_linears(owns_model)  # before the KV budget, which counts the weights as they end up
+        # Before packing: a native step over dense layers reads plain weights (native_step.DenseWeights).
+        wants_native = self._wants_native_step()
+        dense_native = wants_native and uses_dense_weights(model)
+        self._pack_linears(owns_model, native=dense_native)  # before the KV budget, which counts the weights
+        self.native_weights = DenseWeights(model) if dense_native else None  # counted in the budget too
         if config.batch_invariant:
             make_batch_invariant_(model, triton=self._invariant_triton)
         self._compile_pointwise(owns_model)
@@ -209,8 +215,8 @@ class LLMEngine:
             self._capture_graphs()
         if wants_compiled:
             self._compile_forward()
-        if self._wants_native_step():
-            self.model_runner.native = NativeStep(model, self.kv_cache, self.max_model_len)
+        if wants_native:
+            self.model_runner.native = NativeStep(model, self.kv_cache, self.max_model_len, self.native_weights)
         self.input_processor = InputProcessor(tokenizer, model.config, config, context_len=context_len,
                                               max_model_len=self.max_model_len, num_kv_blocks=num_blocks)
         self.output_processor = OutputProcessor(tokenizer)
@@ -279,9 +285,10 @@ class LLMEngine:
             raise ValueError(f"the model is not rank 0's shard of the workers' group of {size}")
         return workers
 
-    def _pack_linears(self, owns_model: bool) -> None:
+    def _pack_linears(self, owns_model: bool, native: bool = False) -> None:
         """Repack the model's linear weights for oneDNN, in place: when the config says True, or says None
-        (the default) and the engine owns the model and packing applies here."""
+        (the default) and the engine owns the model and packing applies here, unless `native` (a native step
+        over dense layers, which reads the plain weights: packed, it would need a plain copy of each)."""
         wanted = self.config.prepack_weights
         reason = packing_unsupported_reason(self.model)
         if self._invariant_triton:  # the invariant Triton matrix multiply replaces the model's nn.Linear modules
@@ -290,7 +297,7 @@ class LLMEngine:
                                  "by Triton kernels, not packed weights")
             return
         if wanted is None:
-            wanted = (owns_model or self.config.batch_invariant) and reason is None
+            wanted = (owns_model or self.config.batch_invariant) and reason is None and not native
         if not wanted:
             return
         if reason is not None:
@@ -360,9 +367,11 @@ class LLMEngine:
         return self.kv_cache.nbytes + draft
 
     @property
-    def device_models(self) -> list[CausalLM]:
-        """The models whose weights this engine keeps on its device: the target and a draft model."""
-        return [self.model] + ([self.draft_model] if self.draft_model is not None else [])
+    def device_models(self) -> list[nn.Module]:
+        """What holds the weights this engine keeps on its device: the target, a draft model, and the plain
+        weights a native step reads where the target's are packed (shared ones count once: kv_budget.py)."""
+        return ([self.model] + ([self.draft_model] if self.draft_model is not None else [])
+                + ([self.native_weights] if self.native_weights is not None else []))
 
     def _wants_compiled_forward(self, owns_model: bool) -> bool:
         """Whether steps run as one compiled forward pass (compiled_forward.py): when the config says True, or

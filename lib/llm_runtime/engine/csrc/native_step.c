@@ -30,7 +30,11 @@
  * another order and silu's exponential is libm's, so a rounding to bfloat16 can fall the other way now and then;
  * logits agree to bfloat16's rounding, not always bitwise (tests/engine/test_native_step.py).
  *
- * `native_step_bf16` returns 0, or 1 for a shape it does not take (the caller runs the step otherwise).
+ * A model with dense float32 or bfloat16 weights runs the same stages without the quantizing ones, its products
+ * reading the plain (out, in) matrices in items of 32 output rows (native_stages.h, included once per dtype:
+ * `native_step_dense_f32`, `native_step_dense_bf16`).
+ *
+ * Each step function returns 0, or 1 for a shape it does not take (the caller runs the step otherwise).
  */
 #include <math.h>
 #include <stdint.h>
@@ -47,10 +51,16 @@ typedef struct { /* one int4 layer: PyTorch's CPU packing, (G, N, 2) bfloat16 sc
     const uint16_t *scales_and_zeros;
 } Int4Weight;
 
-typedef struct { /* one decoder layer */
-    const uint16_t *input_norm, *post_norm; /* (hidden) */
+typedef struct { /* one dense weight: up to 3 (rows[p], K) matrices read as one stacked (sum of rows, K) */
+    const void *part[3];
+    int64_t rows[3]; /* each a multiple of 32; 0 for a part not there */
+} DenseWeight;
+
+typedef struct { /* one decoder layer; the norms, the pools and dense weights in the model's dtype */
+    const void *input_norm, *post_norm;     /* (hidden) */
     Int4Weight qkv, o, gate_up, down;       /* qkv: (H + 2 KV) d rows; gate_up: 2 x intermediate rows */
-    uint16_t *key_pool, *value_pool;        /* (blocks, block_size, KV, d) */
+    DenseWeight dqkv, dout, dgate_up, ddown; /* or these, parts q, k, v and gate, up */
+    void *key_pool, *value_pool;            /* (blocks, block_size, KV, d) */
 } NativeLayer;
 
 typedef struct {
@@ -60,14 +70,15 @@ typedef struct {
     int64_t block_size; /* tokens per KV block */
     float eps, attention_scale;
     const NativeLayer *layers;
-    const uint16_t *final_norm;
+    const void *final_norm;
     const int8_t *embed_q; const uint16_t *embed_d;   /* a Q8_0 table (blocks, V, 32), (blocks, V); or */
-    const uint16_t *embed_dense;                      /* (V, hidden) */
+    const void *embed_dense;                          /* (V, hidden), the model's dtype */
     const int8_t *head_q; const uint16_t *head_d;     /* the head: a Q8_0 table; or */
-    Int4Weight head_int4; int64_t head_rows;          /* int4, head_rows (vocab padded to 64) */
-    const uint16_t *cos, *sin; int64_t max_positions; /* (max_positions, d) each, the model's own tables */
+    Int4Weight head_int4; int64_t head_rows;          /* int4, head_rows (vocab padded to 64); or */
+    const void *head_dense;                           /* (V, hidden) in the model's dtype */
+    const void *cos, *sin; int64_t max_positions;     /* (max_positions, d) each, the model's own tables */
     /* workspace, for MAX_TOKENS rows (the caller's buffers) */
-    uint16_t *x, *h, *qkv, *attn, *act;               /* (rows, hidden) x 2, (rows, qkv_rows), (rows, H d), (rows, I) */
+    void *x, *h, *qkv, *attn, *act;                   /* (rows, hidden) x 2, (rows, qkv_rows), (rows, H d), (rows, I) */
     int16_t *t; float *step, *xsum;                   /* (rows, max K), (rows, max K / group) each */
     float *xf, *xblock;                               /* the head's input in float, and its blocks' sums */
 } NativeModel;
@@ -77,30 +88,11 @@ typedef struct {
     const int64_t *input_ids, *positions, *slot_mapping, *logits_indices; /* (N,), .., (R,) */
     const int32_t *query_start_loc, *block_tables;                        /* (B + 1,), (B, table_stride) */
     int64_t num_seqs, table_stride;
-    uint16_t *logits;                                                     /* (R, vocab) */
+    void *logits;                                                         /* (R, vocab), the model's dtype */
 } NativeStep;
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 static inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); } /* a bfloat16 tensor's value */
-
-/* RMSNorm of `rows` rows of x (hidden) as the operator path rounds it: x / rms(x) in float32 rounded to
- * bfloat16, then times the weight, rounded again. */
-static void norm_rows(const uint16_t *x, const int64_t *row_index, int64_t rows, int64_t hidden,
-                      const uint16_t *weight, float eps, uint16_t *out) {
-    #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *xr = x + (row_index == NULL ? r : row_index[r]) * hidden;
-        float total = 0.0f;
-        for (int64_t i = 0; i < hidden; i++) {
-            const float v = bf16_to_float(xr[i]);
-            total += v * v;
-        }
-        const float inverse = 1.0f / sqrtf(total / (float)hidden + eps);
-        for (int64_t i = 0; i < hidden; i++)
-            out[r * hidden + i] = float_to_bf16(bf16_to_float(weight[i])
-                                                * round_bf16(bf16_to_float(xr[i]) * inverse));
-    }
-}
 
 /* Each row's groups of `group` columns as the int4 kernel's int16 multiples (int4_activations). A group that
  * holds an infinity or a NaN has none: it sets *failed, and the step goes on (every thread must meet every
@@ -182,33 +174,6 @@ static void gate_up_stage(const int16_t *t, const float *step, const float *xsum
     }
 }
 
-/* Rotary on each row's q and k heads, x * cos + rotated * sin with each product and the sum rounded to
- * bfloat16 (three operations on bfloat16 tensors there), then its k and v heads stored at the row's slot (-1:
- * nowhere). */
-static void rotary_store_stage(const NativeModel *m, const NativeLayer *layer, const NativeStep *s) {
-    const int64_t d = m->head_dim, half = d / 2, heads = m->num_heads + m->num_kv_heads;
-    #pragma omp for schedule(static)
-    for (int64_t item = 0; item < s->num_tokens * heads; item++) {
-        const int64_t r = item / heads, head = item % heads;
-        uint16_t *x = m->qkv + r * m->qkv_rows + head * d;
-        const uint16_t *c = m->cos + s->positions[r] * d, *sn = m->sin + s->positions[r] * d;
-        uint16_t turned[MAX_HEAD_DIM];
-        for (int64_t i = 0; i < half; i++) {
-            const float a = bf16_to_float(x[i]), b = bf16_to_float(x[i + half]);
-            turned[i] = float_to_bf16(round_bf16(a * bf16_to_float(c[i])) + round_bf16(-b * bf16_to_float(sn[i])));
-            turned[i + half] = float_to_bf16(round_bf16(b * bf16_to_float(c[i + half]))
-                                             + round_bf16(a * bf16_to_float(sn[i + half])));
-        }
-        memcpy(x, turned, sizeof(uint16_t) * d);
-        const int64_t slot = s->slot_mapping[r];
-        if (head >= m->num_heads && slot >= 0) { /* a KV head: its key, and the value beside it in qkv */
-            const int64_t g = head - m->num_heads, at = (slot * m->num_kv_heads + g) * d;
-            memcpy(layer->key_pool + at, x, sizeof(uint16_t) * d);
-            memcpy(layer->value_pool + at, x + m->num_kv_heads * d, sizeof(uint16_t) * d);
-        }
-    }
-}
-
 /* Row r's sequence: the b with query_start_loc[b] <= r < query_start_loc[b + 1]. */
 static inline int64_t sequence_of(const NativeStep *s, int64_t r) {
     int64_t b = 0;
@@ -216,47 +181,47 @@ static inline int64_t sequence_of(const NativeStep *s, int64_t r) {
     return b;
 }
 
-/* Attention of each row and query head over its sequence's keys 0 .. position, as paged_decode_body.h
- * computes one head (the same steps in the same order), written as bfloat16 into attn (rows, H d). */
-static void attention_stage(const NativeModel *m, const NativeLayer *layer, const NativeStep *s) {
-    const int64_t d = m->head_dim, H = m->num_heads, KV = m->num_kv_heads, group = H / KV;
-    const int64_t slot_stride = KV * d, head_bytes = d * (int64_t)sizeof(uint16_t);
-    #pragma omp for schedule(static)
-    for (int64_t item = 0; item < s->num_tokens * H; item++) {
-        const int64_t r = item / H, h = item % H, g = h / group;
-        const int length = (int)(s->positions[r] + 1);
-        const int32_t *table = s->block_tables + sequence_of(s, r) * s->table_stride;
-        float q[MAX_HEAD_DIM], acc[MAX_HEAD_DIM], scores[CHUNK];
-        float running_max = -FLT_MAX, running_sum = 0.0f;
-        const uint16_t *src = m->qkv + r * m->qkv_rows + h * d;
-        for (int64_t i = 0; i < d; i++) q[i] = bf16_to_float(src[i]) * m->attention_scale, acc[i] = 0.0f;
-        for (int first = 0; first < length; first += CHUNK) {
-            const int n = length - first < CHUNK ? length - first : CHUNK;
-            const int ahead = first + PREFETCH_AHEAD * CHUNK;
-            const int n_ahead = length - ahead < 0 ? 0 : (length - ahead < CHUNK ? length - ahead : CHUNK);
-            int64_t slots[CHUNK], ahead_slots[CHUNK];
-            slots_of(slots, table, (int)m->block_size, first, n);
-            slots_of(ahead_slots, table, (int)m->block_size, ahead, n_ahead);
-            const uint16_t *keys[CHUNK], *values[CHUNK];
-            for (int t = 0; t < CHUNK; t++) {
-                const int64_t offset = slots[t < n ? t : n - 1] * slot_stride + g * d;
-                keys[t] = layer->key_pool + offset;
-                values[t] = layer->value_pool + offset;
-            }
-            for (int t = 0; t < n_ahead; t++)
-                prefetch_bytes(layer->key_pool + ahead_slots[t] * slot_stride + g * d, head_bytes);
-            chunk_scores_bf16(scores, q, keys, n, (int)d);
-            const float correction = chunk_softmax(scores, n, &running_max, &running_sum);
-            for (int64_t i = 0; i < d; i++) acc[i] *= correction;
-            for (int t = 0; t < n_ahead; t++)
-                prefetch_bytes(layer->value_pool + ahead_slots[t] * slot_stride + g * d, head_bytes);
-            axpy_chunk_bf16(acc, scores, values, n, (int)d);
-        }
-        const float inverse = running_sum > 0.0f ? 1.0f / running_sum : 0.0f;
-        uint16_t *dst = m->attn + r * H * d + h * d;
-        for (int64_t i = 0; i < d; i++) dst[i] = float_to_bf16(acc[i] * inverse);
-    }
-}
+#undef CHUNK_SCORES /* paged_decode.c's last instantiation's */
+#undef AXPY_CHUNK
+#define SUF bf16
+#define ACT uint16_t
+#define LOAD(v) bf16_to_float(v)
+#define STORE(f) float_to_bf16(f)
+#define ROUND(f) round_bf16(f)
+#define LOAD16(p) load16_bf16(p)
+#define CHUNK_SCORES chunk_scores_bf16
+#define AXPY_CHUNK axpy_chunk_bf16
+#if defined(__AVX512BF16__)
+#define DOT_PAIRS
+#endif
+#include "native_stages.h" /* norm_rows_bf16, rotary_store_bf16, attention_bf16, native_step_dense_bf16, ... */
+#undef SUF
+#undef ACT
+#undef LOAD
+#undef STORE
+#undef ROUND
+#undef LOAD16
+#undef CHUNK_SCORES
+#undef AXPY_CHUNK
+#undef DOT_PAIRS
+
+#define SUF f32
+#define ACT float
+#define LOAD(v) (v)
+#define STORE(f) (f)
+#define ROUND(f) (f)
+#define LOAD16(p) _mm512_loadu_ps(p)
+#define CHUNK_SCORES chunk_scores_f32
+#define AXPY_CHUNK axpy_chunk_f32
+#include "native_stages.h" /* the same in float32: native_step_dense_f32 */
+#undef SUF
+#undef ACT
+#undef LOAD
+#undef STORE
+#undef ROUND
+#undef LOAD16
+#undef CHUNK_SCORES
+#undef AXPY_CHUNK
 
 /* The embedding rows of the step's tokens, in bfloat16 (a Q8_0 row: q * d per block, rounded). */
 static void embed_stage(const NativeModel *m, const NativeStep *s) {
@@ -264,9 +229,9 @@ static void embed_stage(const NativeModel *m, const NativeStep *s) {
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < s->num_tokens; r++) {
         const int64_t token = s->input_ids[r];
-        uint16_t *x = m->x + r * K;
+        uint16_t *x = (uint16_t *)m->x + r * K;
         if (m->embed_dense != NULL) {
-            memcpy(x, m->embed_dense + token * K, sizeof(uint16_t) * K);
+            memcpy(x, (const uint16_t *)m->embed_dense + token * K, sizeof(uint16_t) * K);
             continue;
         }
         for (int64_t b = 0; b < blocks; b++) {
@@ -280,9 +245,11 @@ static void embed_stage(const NativeModel *m, const NativeStep *s) {
 /* The head over the rows that sample (already normed into m->h): logits (R, vocab) in bfloat16. */
 static void head_stage(const NativeModel *m, const NativeStep *s, int *failed) {
     const int64_t R = s->num_logits, K = m->hidden, V = m->vocab;
+    const uint16_t *h = (const uint16_t *)m->h;
+    uint16_t *logits = (uint16_t *)s->logits;
     if (m->head_q == NULL) { /* int4 */
-        quantize_rows(m->h, R, K, m->group, m->t, m->step, m->xsum, failed);
-        int4_stage(m->t, m->step, m->xsum, R, K, m->group, m->head_int4, m->head_rows, V, s->logits, NULL);
+        quantize_rows(h, R, K, m->group, m->t, m->step, m->xsum, failed);
+        int4_stage(m->t, m->step, m->xsum, R, K, m->group, m->head_int4, m->head_rows, V, logits, NULL);
         return;
     }
     const int64_t blocks = K / 32;
@@ -290,7 +257,7 @@ static void head_stage(const NativeModel *m, const NativeStep *s, int *failed) {
     for (int64_t r = 0; r < R; r++) /* the rows in float, and each block's sum (the Q8_0 kernel's input) */
         for (int64_t b = 0; b < blocks; b++) {
             float total = 0.0f;
-            for (int64_t k = b * 32; k < b * 32 + 32; k++) total += m->xf[r * K + k] = bf16_to_float(m->h[r * K + k]);
+            for (int64_t k = b * 32; k < b * 32 + 32; k++) total += m->xf[r * K + k] = bf16_to_float(h[r * K + k]);
             m->xblock[r * blocks + b] = total;
         }
     const int64_t tiled = TILED_ROWS(V);
@@ -304,7 +271,7 @@ static void head_stage(const NativeModel *m, const NativeStep *s, int *failed) {
             const int rows = (int)(R - r0 < ROWS ? R - r0 : ROWS);
             q8_tile(m->xf + r0 * K, rows, m->head_q + v0 * 32, dt, NULL, m->xblock + r0 * blocks, blocks, V, sums);
             for (int r = 0; r < rows; r++)
-                for (int j = 0; j < TILE; j++) s->logits[(r0 + r) * V + v0 + j] = float_to_bf16(sums[r * TILE + j]);
+                for (int j = 0; j < TILE; j++) logits[(r0 + r) * V + v0 + j] = float_to_bf16(sums[r * TILE + j]);
         }
     }
 #endif
@@ -315,7 +282,7 @@ static void head_stage(const NativeModel *m, const NativeStep *s, int *failed) {
         for (int64_t r0 = 0; r0 < R; r0 += ROWS) {
             const int rows = (int)(R - r0 < ROWS ? R - r0 : ROWS);
             q8_row(m->xf + r0 * K, rows, m->head_q + v * 32, d_v, m_v, blocks, V, sums);
-            for (int r = 0; r < rows; r++) s->logits[(r0 + r) * V + v] = float_to_bf16(sums[r]);
+            for (int r = 0; r < rows; r++) logits[(r0 + r) * V + v] = float_to_bf16(sums[r]);
         }
     }
 }
@@ -331,27 +298,28 @@ int native_step_bf16(const NativeModel *m, const NativeStep *s) {
     for (int64_t r = 0; r < N; r++)
         if (s->positions[r] < 0 || s->positions[r] >= m->max_positions) return 1;
     int failed = 0; /* shared: set by a stage, read after the region */
+    uint16_t *x = (uint16_t *)m->x, *h = (uint16_t *)m->h;
     #pragma omp parallel
     {
         embed_stage(m, s);
         for (int64_t l = 0; l < m->num_layers; l++) { /* each stage ends at its `omp for`'s barrier */
             const NativeLayer *layer = &m->layers[l];
             const int64_t width = m->num_heads * m->head_dim;
-            norm_rows(m->x, NULL, N, hidden, layer->input_norm, m->eps, m->h);
-            quantize_rows(m->h, N, hidden, group, m->t, m->step, m->xsum, &failed);
+            norm_rows_bf16(x, NULL, N, hidden, layer->input_norm, m->eps, h);
+            quantize_rows(h, N, hidden, group, m->t, m->step, m->xsum, &failed);
             int4_stage(m->t, m->step, m->xsum, N, hidden, group, layer->qkv, m->qkv_rows, m->qkv_rows, m->qkv, NULL);
-            rotary_store_stage(m, layer, s);
-            attention_stage(m, layer, s);
+            rotary_store_bf16(m, layer, s);
+            attention_bf16(m, layer, s);
             quantize_rows(m->attn, N, width, group, m->t, m->step, m->xsum, &failed);
-            int4_stage(m->t, m->step, m->xsum, N, width, group, layer->o, hidden, hidden, NULL, m->x);
-            norm_rows(m->x, NULL, N, hidden, layer->post_norm, m->eps, m->h);
-            quantize_rows(m->h, N, hidden, group, m->t, m->step, m->xsum, &failed);
+            int4_stage(m->t, m->step, m->xsum, N, width, group, layer->o, hidden, hidden, NULL, x);
+            norm_rows_bf16(x, NULL, N, hidden, layer->post_norm, m->eps, h);
+            quantize_rows(h, N, hidden, group, m->t, m->step, m->xsum, &failed);
             gate_up_stage(m->t, m->step, m->xsum, N, hidden, group, layer->gate_up, I, m->act);
             quantize_rows(m->act, N, I, group, m->t, m->step, m->xsum, &failed);
-            int4_stage(m->t, m->step, m->xsum, N, I, group, layer->down, hidden, hidden, NULL, m->x);
+            int4_stage(m->t, m->step, m->xsum, N, I, group, layer->down, hidden, hidden, NULL, x);
         }
         if (s->num_logits > 0) {
-            norm_rows(m->x, s->logits_indices, s->num_logits, hidden, m->final_norm, m->eps, m->h);
+            norm_rows_bf16(x, s->logits_indices, s->num_logits, hidden, m->final_norm, m->eps, h);
             head_stage(m, s, &failed);
         }
     }
@@ -365,6 +333,15 @@ int native_step_bf16(const NativeModel *m, const NativeStep *s) {
 /* 1 where this build has the int4 kernel the step runs on (AVX-512 with VNNI and VBMI), else 0. */
 int native_step_available(void) {
 #if defined(INT4_I16)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* 1 where this build has the dense steps (native_step_dense_bf16, native_step_dense_f32: AVX-512), else 0. */
+int native_step_dense_available(void) {
+#if defined(__AVX512F__)
     return 1;
 #else
     return 0;
