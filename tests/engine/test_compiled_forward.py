@@ -26,6 +26,12 @@ pytestmark = pytest.mark.skipif(available_backends("cpu", torch.float32)["cpu"] 
                                 reason="no C compiler builds the cpu backend's kernel here")
 
 
+def _config(**options) -> EngineConfig:
+    """An engine's config without the native step: the short steps it would take (lesson 19) are what this file
+    runs through the compiled graph."""
+    return EngineConfig(native_step=False, **options)
+
+
 def _float32(tiny_pairs, family: str = "qwen3") -> torch.nn.Module:
     return copy.deepcopy(tiny_pairs[family][0]).float()
 
@@ -33,9 +39,9 @@ def _float32(tiny_pairs, family: str = "qwen3") -> torch.nn.Module:
 def _pressed(model, workload, **options) -> EngineConfig:
     """A pool small enough for preemption, with prefix caching on."""
     largest = max(-(-(len(prompt) + p.max_tokens) // BLOCK_SIZE) for prompt, p in workload)
-    return EngineConfig(max_num_seqs=16, max_num_batched_tokens=128, block_size=BLOCK_SIZE,
-                        num_kv_blocks=max(blocks_unconstrained(workload) * 15 // 100, largest),
-                        enable_prefix_caching=True, **options)
+    return _config(max_num_seqs=16, max_num_batched_tokens=128, block_size=BLOCK_SIZE,
+                   num_kv_blocks=max(blocks_unconstrained(workload) * 15 // 100, largest),
+                   enable_prefix_caching=True, **options)
 
 
 def _graphs_compiled() -> int:
@@ -94,7 +100,7 @@ def test_long_chunks_and_prompt_logprobs_run_eagerly(tiny_pairs) -> None:
     with_logprobs = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=2)
     results, steps = {}, {}
     for compiled in (False, True):
-        engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=32, compile_model=compiled))
+        engine = LLMEngine(model, None, _config(num_kv_blocks=32, compile_model=compiled))
         engine.attention_backend.kernel_max_rows = 8  # a 30-token prompt in one chunk goes block-wise
         for i, (prompt, params) in enumerate(zip(prompts, (plain, plain, with_logprobs))):
             engine.add_request(str(i), prompt, params)
@@ -145,8 +151,8 @@ def test_packed_and_quantized_layers_inside_the_graph(tiny_pairs, layers: str) -
     workload = shared_prefix_workload(model.config.vocab_size, num_requests=10, seed=4)
     tokens = {}
     for compiled in (False, True):
-        engine = LLMEngine(model, None, EngineConfig(max_num_seqs=8, num_kv_blocks=64, block_size=BLOCK_SIZE,
-                                                     compile_model=compiled))
+        engine = LLMEngine(model, None, _config(max_num_seqs=8, num_kv_blocks=64, block_size=BLOCK_SIZE,
+                                                compile_model=compiled))
         tokens[compiled] = run_all(engine, workload)
         assert engine.stats().num_compiled_steps > 0 or not compiled
     assert tokens[True] == tokens[False]
@@ -158,9 +164,9 @@ def test_engines_share_the_graph_each_over_its_own_pool(tiny_pairs) -> None:
     model = _float32(tiny_pairs, "llama3")
     prompts = [[5, 6, 7, 8, 9], [20, 21, 22]]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    first = LLMEngine(model, None, EngineConfig(num_kv_blocks=16, compile_model=True))
+    first = LLMEngine(model, None, _config(num_kv_blocks=16, compile_model=True))
     before = _graphs_compiled()
-    second = LLMEngine(model, None, EngineConfig(num_kv_blocks=24, compile_model=True))
+    second = LLMEngine(model, None, _config(num_kv_blocks=24, compile_model=True))
     assert _graphs_compiled() == before
     for engine, prompt in ((first, prompts[0]), (second, prompts[1])):
         engine.add_request("0", prompt, params)
@@ -168,7 +174,7 @@ def test_engines_share_the_graph_each_over_its_own_pool(tiny_pairs) -> None:
     while first.has_unfinished_requests() or second.has_unfinished_requests():
         for name, engine in (("first", first), ("second", second)):
             outputs.update({name: o.outputs[0].token_ids for o in engine.step() if o.finished})
-    eager = LLMEngine(model, None, EngineConfig(num_kv_blocks=16))
+    eager = LLMEngine(model, None, _config(num_kv_blocks=16))
     expected = run_all(eager, [(prompt, params) for prompt in prompts])
     assert ([outputs["first"]], [outputs["second"]]) == (expected["0"], expected["1"])
     assert first.stats().num_compiled_steps == second.stats().num_compiled_steps == 10
@@ -187,7 +193,7 @@ def test_a_model_of_another_kind_gets_its_own_graph(tiny_pairs) -> None:
     tokens = {}
     for name, candidate in (("model", model), ("other", other), ("same", same)):
         for compiled in (True, False):
-            engine = LLMEngine(candidate, None, EngineConfig(num_kv_blocks=16, compile_model=compiled))
+            engine = LLMEngine(candidate, None, _config(num_kv_blocks=16, compile_model=compiled))
             tokens[name, compiled] = run_all(engine, prompts)
             assert engine.stats().num_compiled_steps == (8 if compiled else 0)
     assert tokens["model", True] == tokens["model", False] == tokens["same", True]
@@ -196,23 +202,23 @@ def test_a_model_of_another_kind_gets_its_own_graph(tiny_pairs) -> None:
 
 def test_compiled_by_default_only_for_an_owned_cpu_model(tiny_pairs) -> None:
     model = _float32(tiny_pairs, "llama2")
-    assert not LLMEngine(model, None, EngineConfig(num_kv_blocks=8)).stats().compiled_model  # a model passed in
-    owned = LLMEngine(copy.deepcopy(model), None, EngineConfig(num_kv_blocks=8), owns_model=True)
+    assert not LLMEngine(model, None, _config(num_kv_blocks=8)).stats().compiled_model  # a model passed in
+    owned = LLMEngine(copy.deepcopy(model), None, _config(num_kv_blocks=8), owns_model=True)
     assert owned.stats().compiled_model
     for options in ({"enforce_eager": True}, {"compile_model": False}, {"kv_cache_dtype": "int8"},
                     {"attention_backend": "blockwise"}):
-        engine = LLMEngine(copy.deepcopy(model), None, EngineConfig(num_kv_blocks=8, **options), owns_model=True)
+        engine = LLMEngine(copy.deepcopy(model), None, _config(num_kv_blocks=8, **options), owns_model=True)
         assert not engine.stats().compiled_model, options
     float64 = tiny_pairs["llama2"][0]  # the cpu backend reads float32 and bfloat16: block-wise, eager
-    assert not LLMEngine(float64, None, EngineConfig(num_kv_blocks=8), owns_model=True).stats().compiled_model
+    assert not LLMEngine(float64, None, _config(num_kv_blocks=8), owns_model=True).stats().compiled_model
 
 
 def test_compiling_is_refused_where_it_cannot_run(tiny_pairs) -> None:
     model = _float32(tiny_pairs, "llama2")
     with pytest.raises(ValueError, match="blockwise attention backend does not run inside a compiled"):
-        LLMEngine(model, None, EngineConfig(num_kv_blocks=8, compile_model=True, attention_backend="blockwise"))
+        LLMEngine(model, None, _config(num_kv_blocks=8, compile_model=True, attention_backend="blockwise"))
     with pytest.raises(ValueError, match="8-bit KV pool"):
-        LLMEngine(model, None, EngineConfig(num_kv_blocks=8, compile_model=True, kv_cache_dtype="int8"))
+        LLMEngine(model, None, _config(num_kv_blocks=8, compile_model=True, kv_cache_dtype="int8"))
     with pytest.raises(ValueError, match="enforce_eager"):
         EngineConfig(compile_model=True, enforce_eager=True)
     with pytest.raises(ValueError, match="compile_pointwise"):

@@ -13,7 +13,7 @@ import torch
 
 from llm_runtime import LLM, SamplingParams
 from llm_runtime.config import ModelConfig
-from llm_runtime.engine.kv_budget import tensor_bytes
+from llm_runtime.engine.kv_budget import CPU_DEVICE, tensor_bytes
 from llm_runtime.engine.native_step import MAX_TOKENS, library_unavailable_reason, native_step_unavailable_reason
 from llm_runtime.model import CausalLM, load_model
 from llm_runtime.model.quantized_linear import quantize_linears_
@@ -257,22 +257,24 @@ def test_packed_weights_get_a_plain_copy_that_the_budget_counts(dense) -> None:
     plain and the native step's weights are the model's own tensors (counted once)."""
     model, tokenizer = load_model(dtype="bfloat16")
     prompt = [tokenizer.encode(TEXT)[:24]]
+    before = CPU_DEVICE.held_bytes(model.device)  # other tests' engines still alive
     plain_llm = LLM.from_model(model, None, kv_cache_memory=POOL, owns_model=True)
     try:
         engine = plain_llm.llm_engine
         assert engine.stats().native_step and not engine.stats().prepacked_weights
         assert tensor_bytes(engine.native_weights) > 0
-        whole = sum(tensor_bytes(m) for m in engine.device_models)
-        assert whole > tensor_bytes(model) and tensor_bytes(torch.nn.ModuleList(engine.device_models)) == \
-            tensor_bytes(model)  # the same storages: nothing copied
+        # the same storages as the model's: nothing copied, and the memory book counts them once
+        assert CPU_DEVICE.held_bytes(model.device) - before == engine.kv_pool_bytes + tensor_bytes(model)
         expected = plain_llm.generate([{"prompt_token_ids": p} for p in prompt], GREEDY, use_tqdm=False)
     finally:
         plain_llm.shutdown()
+    before = CPU_DEVICE.held_bytes(model.device)
     packed_llm = LLM.from_model(model, None, kv_cache_memory=POOL, prepack_weights=True)
     try:
         engine = packed_llm.llm_engine
         assert engine.stats().native_step and engine.stats().prepacked_weights
-        assert tensor_bytes(torch.nn.ModuleList(engine.device_models)) > tensor_bytes(model)  # the copy counts
+        held = CPU_DEVICE.held_bytes(model.device) - before
+        assert held > engine.kv_pool_bytes + tensor_bytes(model)  # the plain copy counts too
         got = packed_llm.generate([{"prompt_token_ids": p} for p in prompt], GREEDY, use_tqdm=False)
         assert engine.stats().num_native_steps > 0
     finally:

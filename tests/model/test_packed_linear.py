@@ -78,14 +78,16 @@ def test_the_engine_packs_only_a_model_it_owns_or_is_asked_to(float_model) -> No
 
 
 def test_an_engine_that_loaded_its_model_packs_it(float_model) -> None:
+    """Unless its native step runs the dense layers, which reads them plain (engine/native_step.py)."""
     owned = copy.deepcopy(float_model)
-    engine = LLMEngine(owned, None, EngineConfig(num_kv_blocks=8), owns_model=True)
+    engine = LLMEngine(owned, None, EngineConfig(num_kv_blocks=8, native_step=False), owns_model=True)
     assert engine.stats().prepacked_weights and is_packed(owned)
     engine = LLMEngine(copy.deepcopy(float_model), None, EngineConfig(num_kv_blocks=8, prepack_weights=False),
                        owns_model=True)
     assert not engine.stats().prepacked_weights
     with LLM(num_kv_blocks=16, compile_model=False) as llm:  # the bundled model, loaded by LLM itself
-        assert llm.llm_engine.stats().prepacked_weights is (packing_unsupported_reason(llm.model) is None)
+        stats = llm.llm_engine.stats()
+        assert stats.prepacked_weights is (packing_unsupported_reason(llm.model) is None and not stats.native_step)
 
 
 def test_packing_is_refused_where_it_does_not_apply(tiny_pairs) -> None:

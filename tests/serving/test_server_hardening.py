@@ -166,7 +166,9 @@ def faulty_server(bundled, monkeypatch):
         return forward(self, input_ids, kv_cache, positions)
 
     monkeypatch.setattr(model, "forward", failing_forward.__get__(model))
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=8, kv_cache_memory=TEST_KV_MEMORY))
+    # native_step=False: a native step (lesson 19) never calls the model's forward, where the fault is
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=8, kv_cache_memory=TEST_KV_MEMORY,
+                                                      native_step=False))
     app = create_app(engine, MODEL_NAME)
     with running(app) as base:
         yield base, engine

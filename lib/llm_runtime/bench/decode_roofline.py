@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..engine import LLM, LLMEngine
+from ..engine.native_step import native_step_unavailable_reason
 from ..model import CausalLM
 from ..model.packed_linear import packing_unsupported_reason
 from ..sampling import SamplingParams
@@ -114,7 +115,9 @@ def measure(model: CausalLM, modes: list[str], *, prompt_len: int = 32, num_step
         prepack_weights = packing_unsupported_reason(model) is None
     results = []
     for mode in modes:
-        seconds = decode_step_seconds(model, {**mode_options(mode, model.device), "prepack_weights": prepack_weights},
+        # The native step reads plain weights: packed, it would read a plain copy beside them.
+        packed = prepack_weights and mode != "native"
+        seconds = decode_step_seconds(model, {**mode_options(mode, model.device), "prepack_weights": packed},
                                       prompt_len=prompt_len, num_steps=num_steps)
         roofline = nbytes / bandwidth
         results.append(DecodeMeasurement(mode, seconds * 1e3, 1 / seconds, nbytes / 1e6, bandwidth / 1e9,
@@ -147,9 +150,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         model, _ = load_model(args.model, device=args.device, dtype=args.dtype)
-        only = {"graphs": "cuda", "native": "cpu"}  # the modes one device type runs
-        modes = args.modes.split(",") if args.modes else [m for m in MODES if only.get(m, model.device.type)
-                                                          == model.device.type]
+        runs = {"graphs": model.device.type == "cuda",  # the modes this device and model run
+                "native": native_step_unavailable_reason(model, "auto") is None}
+        modes = args.modes.split(",") if args.modes else [m for m in MODES if runs.get(m, True)]
         results = measure(model, modes, prompt_len=args.prompt_len, num_steps=args.num_steps)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

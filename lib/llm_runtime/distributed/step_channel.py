@@ -47,6 +47,9 @@ class StepChannel:
     def __init__(self, tp: TensorParallelGroup, device: torch.device | str = "cpu") -> None:
         self.tp = tp
         self.device = torch.device(device)
+        # Rank 0's first step may reach the workers while they still pack weights and build their pools after
+        # the settings (workers.py): its header waits as long as that takes; later ones, the step's deadline.
+        self._set_up = False
 
     def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.tp.broadcast_from_first(tensor)
@@ -63,7 +66,12 @@ class StepChannel:
                           + [x for pair in prompt_rows for x in pair], dtype=np.int64)
         header = torch.tensor([STEP, layout.num_tokens, layout.num_sampling, layout.num_seqs, layout.width,
                                len(block_copies), len(prompt_rows), int(samples), int(compiled)], dtype=torch.int64)
-        self._broadcast_header(header)
+        if self._set_up:
+            self._broadcast_header(header)
+        else:
+            with self.tp.patient():
+                self._broadcast_header(header)
+            self._set_up = True
         payload = torch.cat([host[:used].cpu(), torch.from_numpy(extras)])
         self._broadcast(payload.to(self.device))
 

@@ -91,7 +91,8 @@ class DeviceLedger:
                 continue
             pools += engine.kv_pool_bytes
             models.update((id(module), module) for module in engine.device_models)
-        return pools + sum(tensor_bytes(m) for m in models.values())
+        # One storage counted once across the modules too (a native step's plain weights may be the model's own).
+        return pools + tensor_bytes(torch.nn.ModuleList(models.values()))
 
 
 CPU_DEVICE = DeviceLedger()
