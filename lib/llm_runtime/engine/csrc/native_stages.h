@@ -267,3 +267,12 @@ int FN(native_step_dense)(const NativeModel *m, const NativeStep *s) {
 #undef FN
 #undef CAT
 #undef CAT_
+#undef SUF /* the parameters, for the next inclusion */
+#undef ACT
+#undef LOAD
+#undef STORE
+#undef ROUND
+#undef LOAD16
+#undef CHUNK_SCORES
+#undef AXPY_CHUNK
+#undef DOT_PAIRS

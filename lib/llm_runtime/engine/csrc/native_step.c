@@ -194,16 +194,8 @@ static inline int64_t sequence_of(const NativeStep *s, int64_t r) {
 #if defined(__AVX512BF16__)
 #define DOT_PAIRS
 #endif
-#include "native_stages.h" /* norm_rows_bf16, rotary_store_bf16, attention_bf16, native_step_dense_bf16, ... */
-#undef SUF
-#undef ACT
-#undef LOAD
-#undef STORE
-#undef ROUND
-#undef LOAD16
-#undef CHUNK_SCORES
-#undef AXPY_CHUNK
-#undef DOT_PAIRS
+#include "native_stages.h" /* norm_rows_bf16, rotary_store_bf16, attention_bf16, native_step_dense_bf16, ...
+                              (it undefines these parameters) */
 
 #define SUF f32
 #define ACT float
@@ -214,14 +206,6 @@ static inline int64_t sequence_of(const NativeStep *s, int64_t r) {
 #define CHUNK_SCORES chunk_scores_f32
 #define AXPY_CHUNK axpy_chunk_f32
 #include "native_stages.h" /* the same in float32: native_step_dense_f32 */
-#undef SUF
-#undef ACT
-#undef LOAD
-#undef STORE
-#undef ROUND
-#undef LOAD16
-#undef CHUNK_SCORES
-#undef AXPY_CHUNK
 
 /* The embedding rows of the step's tokens, in bfloat16 (a Q8_0 row: q * d per block, rounded). */
 static void embed_stage(const NativeModel *m, const NativeStep *s) {
