@@ -145,11 +145,11 @@ static void FN(dense_item)(const ACT *x, int64_t rows, int64_t K, const ACT *w, 
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
         const ACT *xr = x + r0 * K;
         float *out = sums + r0 * 32;
-        switch (rows - r0 < 4 ? rows - r0 : 4) { /* at least 4 sums in flight */
+        switch (rows - r0 < 4 ? rows - r0 : 4) { /* 4 weight rows at once: each row of x loaded once for 4 */
         case 1: for (int j = 0; j < 32; j += 4) FN(dense_block)(xr, 1, K, w + j * K, 4, out + j); break;
-        case 2: for (int j = 0; j < 32; j += 2) FN(dense_block)(xr, 2, K, w + j * K, 2, out + j); break;
-        case 3: for (int j = 0; j < 32; j += 2) FN(dense_block)(xr, 3, K, w + j * K, 2, out + j); break;
-        default: for (int j = 0; j < 32; j++) FN(dense_block)(xr, 4, K, w + j * K, 1, out + j); break;
+        case 2: for (int j = 0; j < 32; j += 4) FN(dense_block)(xr, 2, K, w + j * K, 4, out + j); break;
+        case 3: for (int j = 0; j < 32; j += 4) FN(dense_block)(xr, 3, K, w + j * K, 4, out + j); break;
+        default: for (int j = 0; j < 32; j += 4) FN(dense_block)(xr, 4, K, w + j * K, 4, out + j); break;
         }
     }
 }
