@@ -14,6 +14,7 @@ import torch
 from llm_runtime import LLM, SamplingParams
 from llm_runtime.config import ModelConfig
 from llm_runtime.engine.kv_budget import CPU_DEVICE, tensor_bytes
+from llm_runtime.engine import native_step
 from llm_runtime.engine.native_step import MAX_TOKENS, library_unavailable_reason, native_step_unavailable_reason
 from llm_runtime.model import CausalLM, load_model
 from llm_runtime.model.quantized_linear import quantize_linears_
@@ -199,9 +200,11 @@ def dense():
 
 @needs_dense
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_dense_logits_agree_with_the_eager_path(dense, dtype: str) -> None:
+def test_dense_logits_agree_with_the_eager_path(dense, dtype: str, monkeypatch) -> None:
     """Dense weights, teacher-forced over 16 positions: within float32's rounding of the eager path (its sums
-    in another order), within bfloat16's in bfloat16; the same argmax wherever the top two are apart."""
+    in another order), within bfloat16's in bfloat16; the same argmax wherever the top two are apart. Steps of
+    up to MAX_TOKENS tokens in both dtypes (bfloat16's default, batch-1 steps only, would run most otherwise)."""
+    monkeypatch.setattr(native_step, "DENSE_BF16_MAX_TOKENS", MAX_TOKENS)
     model, tokenizer = dense[dtype]
     prompt = tokenizer.encode(TEXT)[:40]
     tokens = prompt + _generate(model, [prompt], enforce_eager=True)[0][0]
@@ -230,9 +233,11 @@ def test_dense_float32_gives_the_eager_and_compiled_tokens(dense) -> None:
 
 @needs_dense
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_dense_rows_alone_whatever_the_batch(dense, dtype: str) -> None:
+def test_dense_rows_alone_whatever_the_batch(dense, dtype: str, monkeypatch) -> None:
     """Every step native: each request's greedy tokens exactly its tokens alone, batched with chunked prompts,
-    with n-gram drafts verified and with prefix hits."""
+    with n-gram drafts verified and with prefix hits. (Dense bfloat16 runs batch-1 steps only by default,
+    `DENSE_BF16_MAX_TOKENS`: here its steps of up to MAX_TOKENS, the kernel's property.)"""
+    monkeypatch.setattr(native_step, "DENSE_BF16_MAX_TOKENS", MAX_TOKENS)
     model = dense[dtype][0]
     prompts = _prompts(model.config.vocab_size, (5, 12, 3, 9, 16, 7))
     prompts += [prompts[1][:8] + p[:4] for p in prompts[:3]]
@@ -262,6 +267,7 @@ def test_packed_weights_get_a_plain_copy_that_the_budget_counts(dense) -> None:
     try:
         engine = plain_llm.llm_engine
         assert engine.stats().native_step and not engine.stats().prepacked_weights
+        assert engine.model_runner.native.max_tokens == 1  # dense bfloat16: batch-1 steps (DENSE_BF16_MAX_TOKENS)
         assert tensor_bytes(engine.native_weights) > 0
         # the same storages as the model's: nothing copied, and the memory book counts them once
         assert CPU_DEVICE.held_bytes(model.device) - before == engine.kv_pool_bytes + tensor_bytes(model)

@@ -18,7 +18,8 @@ norms, a pool in its dtype (`kv_cache_dtype="auto"`), and either
   reads plain (out, in) matrices, q/k/v and gate/up as the parts they are (`DenseWeights`); oneDNN's packed
   layout is opaque, so an engine whose native step runs dense layers does not pack them (`prepack_weights=True`
   packs them anyway, and the native step then reads a plain copy, which the KV budget counts).
-Which steps: any whose tokens number at most `MAX_TOKENS` and that want no prompt logprobs: decodes, the k + 1
+Which steps: any whose tokens number at most `MAX_TOKENS` (dense bfloat16 layers: 1, `DENSE_BF16_MAX_TOKENS`) and
+that want no prompt logprobs: decodes, the k + 1
 rows of sequences verifying drafts, short prefill chunks. The rest run as before (compiled, or eagerly). An int4
 step whose activations hold an infinity or a NaN is handed back too (`run` returns None), as the int4 kernel
 does.
@@ -50,6 +51,10 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("native_step.c", "native_stages.h", "../../model/csrc/quantized_matmul.c", "../../attention/csrc/paged_decode.c",
            "../../attention/csrc/paged_decode_body.h")
 MAX_TOKENS = 8  # tokens of a step run natively (bundled GGUF, 2 cores: 1.35x compiled at 1, 1.24x at 8, 0.95x at 16)
+# Dense bfloat16 layers: batch-1 steps only. Interleaved against the compiled graph on packed weights (bundled model,
+# 2 cores): 1.28x at 1 token, 0.98x at 2, 0.71x at 4 (oneDNN's bfloat16 products stay memory-bound at 4 rows,
+# vdpbf16ps's do not). Dense float32: 1.44x at 1, 1.13x at 4, 1.11x at 8, so MAX_TOKENS.
+DENSE_BF16_MAX_TOKENS = 1
 _C_MAX_TOKENS = 64  # native_step.c's bound (its stack buffers)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -220,7 +225,8 @@ def _dense(parts: list[torch.Tensor]) -> _DenseWeight:
 
 
 class NativeStep:
-    """Runs steps of at most MAX_TOKENS tokens as one native call over the engine's model and pool. Build it
+    """Runs steps of at most `max_tokens` tokens (MAX_TOKENS; 1 for dense bfloat16 layers) as one native call
+    over the engine's model and pool. Build it
     after checking `native_step_unavailable_reason`; it reads the model's and the pool's tensors where they
     are, so keep both alive and unchanged while it runs. A model with dense layers needs its `DenseWeights`
     (built before its pool, so the pool's budget counts them)."""
@@ -236,6 +242,7 @@ class NativeStep:
             dense = DenseWeights(model)
         self.model, self.kv_cache, self.library, self.dense = model, kv_cache, load_library(), dense
         self.num_runs = 0  # steps that ran natively
+        self.max_tokens = DENSE_BF16_MAX_TOKENS if self.is_dense and model.dtype == torch.bfloat16 else MAX_TOKENS
         config = model.config
         hidden, width, inner = config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size
         qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
@@ -318,7 +325,7 @@ class NativeStep:
 
     def can_run(self, model_input: ModelInput) -> bool:
         """Whether this step is one the native call takes (its token count)."""
-        return 0 < model_input.num_tokens <= MAX_TOKENS
+        return 0 < model_input.num_tokens <= self.max_tokens
 
     def run(self, model_input: ModelInput) -> torch.Tensor | None:
         """The step's logits (R, vocab) in the model's dtype, its keys and values stored; None when the native
