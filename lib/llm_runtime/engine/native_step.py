@@ -18,14 +18,13 @@ norms, a pool in its dtype (`kv_cache_dtype="auto"`), and either
   reads plain (out, in) matrices, q/k/v and gate/up as the parts they are (`DenseWeights`); oneDNN's packed
   layout is opaque, so an engine whose native step runs dense layers does not pack them (`prepack_weights=True`
   packs them anyway, and the native step then reads a plain copy, which the KV budget counts).
-Which steps: any whose tokens number at most `MAX_TOKENS` (dense bfloat16 layers: 1, `DENSE_BF16_MAX_TOKENS`) and
-that want no prompt logprobs: decodes, the k + 1
-rows of sequences verifying drafts, short prefill chunks. The rest run as before (compiled, or eagerly). An int4
-step whose activations hold an infinity or a NaN is handed back too (`run` returns None), as the int4 kernel
-does.
+Which steps: any whose tokens number at most `MAX_TOKENS` (dense bfloat16 layers: 1, `DENSE_BF16_MAX_TOKENS`)
+and that want no prompt logprobs: decodes, the k + 1 rows of sequences verifying drafts, short prefill chunks. The
+rest run as before (compiled, or eagerly). An int4 step whose activations hold an infinity or a NaN is handed back
+too (`run` returns None), as the int4 kernel does.
 
-The numbers are the operator path's kernels' (the C file says where its rounding can differ): the tests
-check the same greedy tokens and logits within bfloat16's tolerance against the compiled and eager paths.
+The numbers are the operator path's kernels' (the C file says where its rounding can differ): the tests check
+the same greedy tokens and logits within the dtype's tolerance against the compiled and eager paths.
 """
 
 from __future__ import annotations
@@ -48,8 +47,8 @@ from .input_batch import ModelInput
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 # Every file the build reads (the kernels it includes), hashed into the cache key (native/build.py).
-SOURCES = ("native_step.c", "native_stages.h", "../../model/csrc/quantized_matmul.c", "../../attention/csrc/paged_decode.c",
-           "../../attention/csrc/paged_decode_body.h")
+SOURCES = ("native_step.c", "native_stages.h", "../../model/csrc/quantized_matmul.c",
+           "../../attention/csrc/paged_decode.c", "../../attention/csrc/paged_decode_body.h")
 MAX_TOKENS = 8  # tokens of a step run natively (bundled GGUF, 2 cores: 1.35x compiled at 1, 1.24x at 8, 0.95x at 16)
 # Dense bfloat16 layers: batch-1 steps only. Interleaved against the compiled graph on packed weights (bundled model,
 # 2 cores): 1.28x at 1 token, 0.98x at 2, 0.71x at 4 (oneDNN's bfloat16 products stay memory-bound at 4 rows,
