@@ -173,3 +173,12 @@ def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory):
         if (bundled / name).exists():
             shutil.copy(bundled / name, folder)
     return load_model(folder, device="cpu", dtype="float64")  # float64: batching cannot flip an argmax
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Say out loud that the dashboard's browser test did not run, and why (`-q` counts skips without reasons)."""
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if "dashboard browser test skipped" in reason:
+            terminalreporter.write_line(reason.removeprefix("Skipped: "), yellow=True, bold=True)
+            return

@@ -220,7 +220,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(tokenizer, model.config, config, context_len=context_len,
                                               max_model_len=self.max_model_len, num_kv_blocks=num_blocks)
         self.output_processor = OutputProcessor(tokenizer)
-        self.step_records: list[StepRecord] = []
+        self.step_records: list[StepRecord] = []  # every step's, with `record_steps`
+        self.last_step: StepRecord | None = None  # the latest step's, always (the server's live feed reads it)
         spec = config.speculative_config
         self.spec_stats = SpeculationStats(spec.num_speculative_tokens) if spec is not None else None
         self.num_failed_requests = 0
@@ -674,8 +675,7 @@ class LLMEngine:
             self._fail(request_id)
         if self.proposer is not None:  # a draft model's blocks go back with the sequences that left this step
             self.proposer.keep_only(set(self.scheduler.running))
-        if self.config.record_steps:
-            self._record(batch, start, now)
+        self._record(batch, result, start, now)
         self._num_steps += 1
         self.profile.postprocess += time.perf_counter() - now
         self.profile.num_steps += 1
@@ -806,9 +806,14 @@ class LLMEngine:
         # Only a fork made at admission leaves one step with nothing to run; two in a row means stuck.
         assert self._num_idle_steps < 2, "requests are waiting but no step can run them"
 
-    def _record(self, batch: ScheduledBatch, start: float, end: float) -> None:
+    def _record(self, batch: ScheduledBatch, result: ModelRunnerOutput, start: float, end: float) -> None:
         items = [(it.seq.request_id, it.seq.index, it.num_new_tokens, it.is_prefill) for it in batch.items]
-        self.step_records.append(StepRecord(self._num_steps, start, end - start, items))
+        drafts = [(len(it.draft_token_ids), len(result.accepted.get(it.seq, ()))) for it in batch.items] \
+            if any(it.draft_token_ids for it in batch.items) else []
+        preempted = [(seq.request_id, seq.index) for seq in self.scheduler.last_preempted]
+        self.last_step = StepRecord(self._num_steps, start, end - start, items, drafts, preempted)
+        if self.config.record_steps:
+            self.step_records.append(self.last_step)
 
 
 def _check_tensor_parallel_budget(config: EngineConfig, device: torch.device) -> None:

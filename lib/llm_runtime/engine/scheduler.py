@@ -113,6 +113,9 @@ class StepRecord:
     duration: float
     # (request_id, completion index, tokens this step, whether a prefill chunk)
     items: list[tuple[str, int, int, bool]] = field(default_factory=list)
+    # Speculation (lesson 14): per item, the drafts it verified and how many of them it kept; empty without any.
+    drafts: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[tuple[str, int]] = field(default_factory=list)  # (request_id, index) of the sequences it preempted
 
 
 class Scheduler:
@@ -132,6 +135,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.forks: dict[Sequence, list[Sequence]] = {}  # parent -> siblings that will fork from it
         self.num_preemptions = 0
+        self.last_preempted: list[Sequence] = []  # the sequences the latest `schedule()` preempted
         self.num_prefix_queried_tokens = 0  # tokens looked up in the prefix cache at admission
         self.num_prefix_hit_tokens = 0  # of those, tokens found there (not recomputed)
 
@@ -167,6 +171,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         blocks = self.block_manager
         preempted = False
+        self.last_preempted = []
         i = 0
         while i < len(self.running) and budget > 0:  # running first: decodes are never starved by new prompts
             seq = self.running[i]
@@ -247,6 +252,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        self.last_preempted.append(seq)
 
     def _fork(self, parent: Sequence) -> None:
         """The parent's prompt is computed up to its last token: its siblings share its blocks from here."""

@@ -23,7 +23,8 @@ engine on `step_thread()` and hands that thread here (`step_executor`); without 
 own thread, which is slower on the CPU when the engine was built elsewhere.
 
 Thread safety: only the loop task touches the engine's state, and only while no step runs.
-Handlers read `snapshot`, the engine's stats taken by the loop after each step.
+Handlers read `snapshot`, the engine's stats taken by the loop after each step, and the events of `feed`
+(engine_events.py: the dashboard's live view), which the loop builds at the same points when anyone subscribed.
 
 KV transfer (lesson 18, kv_transfer/agent.py): with an agent, a request may carry `kv_transfer_params`. The loop
 runs the agent on the step thread around every step (blocks received go into the pool before it, finished
@@ -47,6 +48,7 @@ from ..engine.outputs import RequestOutput
 from ..errors import EngineBusyError, EngineDeadError, InvalidRequestError
 from ..kv_transfer.agent import KVTransferAgent, TransferParams
 from ..sampling import SamplingParams
+from .engine_events import EngineFeed, Subscription
 
 logger = logging.getLogger(__name__)
 
@@ -100,10 +102,12 @@ class AsyncLLMEngine:
     """Drives an `LLMEngine` from one background task; many concurrent clients, one model."""
 
     def __init__(self, engine: LLMEngine, max_waiting_requests: int = 256, *,
-                 step_executor: ThreadPoolExecutor | None = None, kv_transfer: KVTransferAgent | None = None) -> None:
+                 step_executor: ThreadPoolExecutor | None = None, kv_transfer: KVTransferAgent | None = None,
+                 feed: EngineFeed | None = None) -> None:
         """`step_executor`: a one-thread executor to run steps on, best the one that built `engine`
         (`step_thread()`); the async engine owns it from now on and shuts it down in `stop()`. `kv_transfer`:
-        this server's part in disaggregated prefill and decode (module docstring)."""
+        this server's part in disaggregated prefill and decode (module docstring). `feed`: the live view's
+        events (engine_events.py; one of its own by default)."""
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
         self.engine = engine
@@ -124,6 +128,7 @@ class AsyncLLMEngine:
         self.kv_transfer = kv_transfer
         self._transfers: dict[str, TransferParams] = {}  # request id -> its kv_transfer_params
         self._awaiting_kv: list[tuple[EngineRequest, float]] = []  # (request, deadline): blocks still to come
+        self.feed = feed if feed is not None else EngineFeed(engine)
 
     # ------------------------------------------------------------------ life cycle
     async def start(self) -> None:
@@ -273,6 +278,14 @@ class AsyncLLMEngine:
             self._wakeup.set()
         return await future
 
+    def subscribe_events(self) -> Subscription:
+        """The engine's live events (engine_events.py): a hello, then the state as the loop sees it between steps.
+        Call `feed.unsubscribe` when done; a subscriber that stops reading is dropped."""
+        subscription = self.feed.subscribe()
+        if self._wakeup is not None:  # an idle loop builds the first state now
+            self._wakeup.set()
+        return subscription
+
     # ------------------------------------------------------------------ the loop
     def _apply_pending(self) -> None:
         """Between steps: aborted requests leave (their blocks are freed, their ids free), new ones join.
@@ -292,6 +305,7 @@ class AsyncLLMEngine:
         for request_id in aborts:
             stream = self._streams.pop(request_id, None)
             self.num_aborted += 1
+            self.feed.aborted(request_id)
             self._transfers.pop(request_id, None)
             if self.kv_transfer is not None:
                 self.kv_transfer.forget(request_id)
@@ -354,6 +368,8 @@ class AsyncLLMEngine:
         for stream in self._streams.values():
             stream._queue.put_nowait(error)
         self._streams.clear()
+        for subscription in list(self.feed.subscribers):  # the live view's streams end too
+            self.feed.unsubscribe(subscription)
         resets, self._resets = self._resets, []
         for future in resets:
             if not future.done():
@@ -366,17 +382,19 @@ class AsyncLLMEngine:
             while True:
                 self._apply_pending()
                 self.snapshot = self._take_snapshot()
+                self.feed.observe()
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.clear()
                     if self._awaiting_kv:  # take in what arrived, and look again shortly
                         await loop.run_in_executor(self._step_executor, self._step)
                         with contextlib.suppress(asyncio.TimeoutError):
                             await asyncio.wait_for(self._wakeup.wait(), timeout=0.005)
-                    elif not self._new and not self._aborts and not self._resets:
+                    elif not self._new and not self._aborts and not self._resets and not self.feed.wants_state:
                         await self._wakeup.wait()
                     continue
                 outputs = await loop.run_in_executor(self._step_executor, self._step)
                 self.snapshot = self._take_snapshot()
+                self.feed.observe(outputs, stepped=True)
                 for output in outputs:
                     stream = self._streams.get(output.request_id)
                     if stream is not None and output.request_id not in self._aborts:

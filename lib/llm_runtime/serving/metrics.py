@@ -37,6 +37,7 @@ class _EngineCollector(Collector):
             ("kv_blocks_total", "KV blocks in the pool", stats.num_total_blocks),
             ("prefix_cache_hit_rate", "prompt tokens found in the prefix cache / looked up",
              stats.prefix_cache_hit_rate),
+            ("engine_event_subscribers", "live views reading /v1/engine/events", len(self.engine.feed.subscribers)),
         ]
         for name, help_text, value in gauges:
             yield GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
@@ -47,6 +48,8 @@ class _EngineCollector(Collector):
             # In tokens, as vLLM counts them: unlike the hit-rate gauge, these sum over replicas.
             ("prefix_cache_queries", "prompt tokens looked up in the prefix cache", stats.prefix_cache_queried_tokens),
             ("prefix_cache_hits", "prompt tokens found in the prefix cache", stats.prefix_cache_hit_tokens),
+            ("engine_event_subscribers_dropped", "live views dropped for not keeping up with /v1/engine/events",
+             self.engine.feed.num_dropped),
         ]
         agent = self.engine.kv_transfer
         if agent is not None:  # disaggregated prefill and decode (lesson 18)

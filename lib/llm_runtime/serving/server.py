@@ -8,7 +8,9 @@ Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (t
 chat template; content a string or a list of text parts), `GET /health`, `GET /metrics`
 (Prometheus), `GET /v1/kv_transfer` (a server started with `--kv-transfer-config`: its role, and where it
 receives KV blocks; a request's `kv_transfer_params` then say what to do with its KV, kv_transfer/agent.py),
-`POST /reset_prefix_cache` (vLLM's: forget the cached blocks no request holds). Constrained output (lesson 15): `structured_outputs` (vLLM's: json, regex, choice,
+`POST /reset_prefix_cache` (vLLM's: forget the cached blocks no request holds), `GET /v1/engine/events` (the
+engine's live state as server-sent events, engine_events.py) and `GET /dashboard` (a page that draws them:
+the batch of every step, the KV pool block by block, each request's timeline). Constrained output (lesson 15): `structured_outputs` (vLLM's: json, regex, choice,
 grammar) on both completions routes, `response_format` (json_schema, json_object) and `tools` with a
 `tool_choice` naming a function or "required" on chat (`tools.py`; "auto" needs a tool-call parser this
 model lacks and is refused). Responses carry OpenAI's fields, `usage` and `logprobs` included; `stream: true`
@@ -34,7 +36,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -47,6 +50,8 @@ from ..kv_transfer.config import KVTransferConfig
 from ..sampling import SamplingParams
 from . import protocol
 from .async_engine import AsyncLLMEngine, RequestStream
+from .dashboard import STATIC_DIR
+from .engine_events import EngineFeed, Subscription
 from .metrics import ServerMetrics
 from .responses import APIError, Formatter, OpenAIResponse
 from .tools import ChatConstraint, chat_constraint
@@ -54,6 +59,10 @@ from .tools import ChatConstraint, chat_constraint
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 2 * 2**20  # 2 MiB: hundreds of full-context prompts, not a denial of service
+# uvicorn waits for open responses before it stops, and an event stream never ends by itself: after this many
+# seconds of a shutdown it cancels them.
+GRACEFUL_SHUTDOWN_S = 3
+EVENTS_KEEPALIVE_S = 15.0  # an idle event stream sends a comment this often (a client that left is noticed)
 
 
 # ------------------------------------------------------------------------------------------ errors
@@ -150,7 +159,8 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
     the engine, to step on (async_engine.py says why). `kv_transfer_config`: this server's part in
     disaggregated prefill and decode (kv_transfer/, lesson 18)."""
     agent = KVTransferAgent(engine, kv_transfer_config) if kv_transfer_config is not None else None
-    async_engine = AsyncLLMEngine(engine, max_waiting_requests, step_executor=step_executor, kv_transfer=agent)
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests, step_executor=step_executor, kv_transfer=agent,
+                                  feed=EngineFeed(engine, model_name))
     metrics = ServerMetrics(async_engine)
     config = engine.config
     limits = protocol.EngineLimits(engine.model.config.vocab_size, engine.max_model_len, config.max_num_seqs,
@@ -220,6 +230,26 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
             return protocol.PrefixCacheReset(freed_blocks=await async_engine.reset_prefix_cache())
         except EngineDeadError as error:
             raise APIError(503, str(error), kind="server_error") from error
+
+    @app.get("/v1/engine/events", response_class=StreamingResponse, responses={
+        200: {"description": "server-sent events, each `data` an EngineEvent's `event` (a hello, then states)",
+              "content": {"text/event-stream": {"schema": {"type": "string"}}}}, 503: _ERRORS[503]})
+    async def engine_events(request: Request) -> StreamingResponse:
+        """The engine's live state (engine_events.py): a hello, then a state event at most every `interval_ms` while
+        the engine works. A subscriber that does not keep up is dropped (its stream ends; EventSource reconnects)."""
+        if not async_engine.is_running:
+            raise APIError(503, f"the engine loop stopped: {async_engine.error!r}", kind="server_error")
+        subscription = async_engine.subscribe_events()
+        return StreamingResponse(_event_stream(async_engine.feed, subscription), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.get("/dashboard", response_class=FileResponse, responses={200: {
+        "description": "the live dashboard (HTML)", "content": {"text/html": {"schema": {"type": "string"}}}}})
+    async def dashboard() -> FileResponse:
+        """A page that draws `/v1/engine/events`: open it in a browser while the server works."""
+        return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
+
+    app.mount("/dashboard/static", StaticFiles(directory=STATIC_DIR), name="dashboard-static")
 
     @app.get("/v1/models", response_model=protocol.ModelList)
     async def models() -> protocol.ModelList:
@@ -331,6 +361,24 @@ async def _until_done_or_gone(work: Awaitable[dict], request: Request, streams: 
     return None if working.cancelled() else working.result()
 
 
+async def _event_stream(feed: EngineFeed, subscription: Subscription) -> AsyncIterator[str]:
+    """A subscription as server-sent events (`event:` names the type); a comment when idle; unsubscribes at the end."""
+    try:
+        yield "retry: 1000\n\n"  # a dropped page's EventSource comes back after a second
+        events = aiter(subscription)
+        while True:
+            try:
+                event = await asyncio.wait_for(anext(events), EVENTS_KEEPALIVE_S)
+            except asyncio.TimeoutError:
+                yield ": keepalive\n\n"
+                continue
+            except StopAsyncIteration:  # dropped for falling behind, or the engine stopped
+                return
+            yield f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+    finally:
+        feed.unsubscribe(subscription)
+
+
 def sse_events(events: AsyncIterator[dict]) -> AsyncIterator[str]:
     """Server-sent events; a failure mid-stream becomes an error event, and [DONE] always ends it."""
 
@@ -355,4 +403,5 @@ def serve(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int
     import uvicorn
 
     uvicorn.run(create_app(engine, model_name, max_waiting_requests, max_request_bytes, step_executor,
-                           kv_transfer_config), host=host, port=port, log_level="info")
+                           kv_transfer_config), host=host, port=port, log_level="info",
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

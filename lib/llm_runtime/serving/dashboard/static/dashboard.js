@@ -1,0 +1,283 @@
+// The live dashboard: reads the engine's events (GET /v1/engine/events, server-sent) and draws them.
+// Events are applied as they come; drawing happens at most once per animation frame. `window.dashboard` exposes
+// what is drawn (tests and curious readers read it from the browser's console).
+"use strict";
+
+const MAX_STEPS = 160;      // bars in the batch chart
+const MAX_ROWS = 32;        // requests in the timeline
+const MAX_KEPT = 400;       // finished requests remembered
+const ROW = 18, LABEL = 90, NOTE = 300;
+
+const view = {
+  hello: null, steps: [], requests: new Map(), kv: null, owners: new Map(), counters: {},
+  updates: 0, draws: 0, drawMs: 0, errors: 0, lastTime: 0, rates: {steps: 0, tokens: 0, updates: 0},
+};
+window.dashboard = view;
+
+// -------------------------------------------------------------------------------- colours
+function hash(text) {
+  let h = 2166136261;
+  for (let i = 0; i < text.length; i++) h = Math.imul(h ^ text.charCodeAt(i), 16777619);
+  return h >>> 0;
+}
+function hslToRgb(h, s, l) {
+  const k = n => (n + h / 30) % 12, a = s * Math.min(l, 1 - l);
+  const f = n => Math.round(255 * (l - a * Math.max(-1, Math.min(k(n) - 3, Math.min(9 - k(n), 1)))));
+  return [f(0), f(8), f(4)];
+}
+// A request's colour (its blocks and its timeline label): a hue from its id, as "rgb(r, g, b)".
+view.colourOf = id => {
+  const [r, g, b] = hslToRgb((hash(id) * 137.508) % 360, 0.62, 0.52);  // the golden angle spreads the hues
+  return `rgb(${r}, ${g}, ${b})`;
+};
+
+// -------------------------------------------------------------------------------- applying events
+function request(id, arrival) {
+  let r = view.requests.get(id);
+  if (!r) {
+    r = {id, arrival: arrival ?? view.lastTime, segments: [], state: "queued", promptTokens: 0, outputTokens: 0,
+         firstToken: null, end: null, reason: null, ttft: null, itl: null, blocks: 0};
+    view.requests.set(id, r);
+  }
+  return r;
+}
+
+function extend(r, kind, t0, t1) {
+  const last = r.segments[r.segments.length - 1];
+  if (last && last.kind === kind && t0 - last.t1 < 0.25) last.t1 = Math.max(last.t1, t1);
+  else r.segments.push({kind, t0, t1});
+}
+
+function applyState(e) {
+  view.lastTime = e.time;
+  for (const step of e.steps) {
+    let prefill = 0, decode = 0, proposed = 0, kept = 0;
+    const t1 = step.start + step.duration_ms / 1000;
+    for (const [id, , p, d, dp, dk] of step.items) {
+      prefill += p; decode += d; proposed += dp; kept += dk;
+      const r = request(id);
+      extend(r, p > 0 ? "prefill" : "decode", step.start, t1);
+    }
+    for (const [id] of step.preempted) {  // its blocks were freed at the step's start: it waits, then recomputes
+      const r = request(id);
+      r.state = "preempted"; r.preemptions = (r.preemptions || 0) + 1;
+      extend(r, "preempted", step.start, step.start);
+    }
+    view.steps.push({step: step.step, start: step.start, ms: step.duration_ms, prefill, decode, proposed, kept});
+  }
+  if (view.steps.length > MAX_STEPS) view.steps.splice(0, view.steps.length - MAX_STEPS);
+  const blocksOf = new Map();
+  for (const s of e.running) {
+    const r = request(s.id, s.arrival);
+    r.state = "running"; r.promptTokens = s.prompt_tokens; r.outputTokens = s.output_tokens;
+    r.firstToken = s.first_token;
+    blocksOf.set(s.id, (blocksOf.get(s.id) || 0) + s.blocks.length);
+  }
+  for (const s of e.waiting) {
+    const r = request(s.id, s.arrival);
+    r.promptTokens = s.prompt_tokens;
+    if (s.preempted) { r.state = "preempted"; extend(r, "preempted", e.time, e.time); }
+    else r.state = "queued";
+  }
+  for (const f of e.finished) {
+    const r = request(f.id);
+    r.state = f.reason === "abort" ? "aborted" : f.reason === "error" ? "failed" : "finished";
+    r.end = e.time; r.reason = f.reason; r.ttft = f.ttft_ms; r.itl = f.itl_ms;
+    if (f.output_tokens !== null) r.outputTokens = f.output_tokens;
+  }
+  for (const r of view.requests.values()) r.blocks = blocksOf.get(r.id) || 0;
+  // Owners: the first running sequence whose table holds the block.
+  view.owners = new Map();
+  for (const s of e.running) for (const b of s.blocks) if (!view.owners.has(b)) view.owners.set(b, s.id);
+  view.kv = e.kv;
+  view.counters = e.counters;
+  const done = [...view.requests.values()].filter(r => r.end !== null);
+  for (const r of done.slice(0, Math.max(0, done.length - MAX_KEPT))) view.requests.delete(r.id);
+  view.updates++;
+  schedule();
+}
+
+// -------------------------------------------------------------------------------- drawing
+let pending = false, lastSlowDraw = -Infinity;
+const SLOW_DRAW_MS = 250;
+view.redraw = () => { lastSlowDraw = -Infinity; draw(); };  // draw now (what a test reads is then what the canvases show)
+function schedule() {
+  if (!pending) { pending = true; requestAnimationFrame(draw); }
+}
+
+function draw() {
+  pending = false;
+  const start = performance.now();
+  try {
+    drawBatch(); drawKV();  // every update: the step's bar and the pool
+    if (start - lastSlowDraw >= SLOW_DRAW_MS) {  // text and the timeline's rows: a few times a second is enough
+      lastSlowDraw = start;
+      drawCounters(); drawTimeline();
+    }
+    view.draws++;
+    view.drawMs += performance.now() - start;
+  } catch (error) {
+    view.errors++;
+    console.error(error);
+  }
+}
+
+function sizeCanvas(canvas) {
+  const width = canvas.clientWidth || canvas.width, ratio = window.devicePixelRatio || 1;
+  if (canvas.width !== Math.round(width * ratio)) canvas.width = Math.round(width * ratio);
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  return [ctx, width, canvas.height / ratio];
+}
+
+function drawCounters() {
+  const c = view.counters, h = view.hello, kv = view.kv;
+  const items = [["running", c.running], ["waiting", c.waiting], ["preemptions", c.preemptions],
+    ["KV used", kv ? `${kv.num_blocks - c.free_blocks} / ${kv.num_blocks}` : "–"],
+    ["prefix hits", c.prefix_queried_tokens ? `${(100 * c.prefix_hit_tokens / c.prefix_queried_tokens).toFixed(1)} %` : "–"],
+    ["steps", c.steps], ["steps/s", view.rates.steps.toFixed(1)], ["tokens/s", view.rates.tokens.toFixed(0)],
+    ["last step", view.steps.length ? `${view.steps[view.steps.length - 1].ms.toFixed(1)} ms` : "–"],
+    ["updates/s", view.rates.updates.toFixed(1)]];
+  if (h && h.speculative) {
+    items.push(["drafts kept", c.draft_tokens ? `${(100 * c.accepted_tokens / c.draft_tokens).toFixed(1)} %` : "–"]);
+  }
+  if (c.failed_requests) items.push(["failed", c.failed_requests]);
+  document.getElementById("counters").innerHTML = items.map(([k, v]) =>
+    `<div data-counter="${k}"><dt>${k}</dt><dd>${v ?? "–"}</dd></div>`).join("");
+}
+
+function drawBatch() {
+  const [ctx, width, height] = sizeCanvas(document.getElementById("batch-canvas"));
+  ctx.clearRect(0, 0, width, height);
+  const budget = view.hello ? view.hello.max_num_batched_tokens : 1;
+  const top = 14, bottom = height - 16, scale = n => (bottom - top) * Math.sqrt(Math.min(n, budget) / budget);
+  ctx.font = "10px system-ui"; ctx.fillStyle = "#6b7280"; ctx.strokeStyle = "#e3e6ea";
+  for (const n of [16, 128, 512, budget]) {
+    if (n > budget) continue;
+    const y = bottom - scale(n);
+    ctx.beginPath(); ctx.setLineDash(n === budget ? [4, 3] : []); ctx.moveTo(30, y); ctx.lineTo(width, y); ctx.stroke();
+    ctx.fillText(n === budget ? `budget ${budget}` : String(n), 0, y - 2);
+  }
+  ctx.setLineDash([]);
+  const barWidth = (width - 32) / MAX_STEPS, styles = getComputedStyle(document.documentElement);
+  const colour = name => styles.getPropertyValue(name);
+  view.steps.forEach((s, i) => {
+    const x = 32 + i * barWidth, total = s.prefill + s.decode, h = scale(total);
+    const parts = [["--prefill", s.prefill], ["--decode", s.decode - s.proposed],
+                   ["--kept", s.kept], ["--rejected", s.proposed - s.kept]];
+    let y = bottom;
+    for (const [name, n] of parts) {
+      if (n <= 0) continue;
+      const part = h * n / total;
+      ctx.fillStyle = colour(name);
+      ctx.fillRect(x, y - part, Math.max(1, barWidth - 1), part);
+      y -= part;
+    }
+  });
+  ctx.fillStyle = "#6b7280";
+  if (view.steps.length) ctx.fillText(`step ${view.steps[view.steps.length - 1].step}`, width - 60, height - 3);
+}
+
+// Where block `b` is drawn: the grid is as square as the canvas allows.
+function kvGrid(width, height, n) {
+  const cell = Math.max(2, Math.floor(Math.sqrt(width * height / n)));
+  let size = cell;
+  while (size > 2 && Math.floor(width / size) * Math.floor(height / size) < n) size--;
+  return {size, columns: Math.floor(width / size)};
+}
+view.kvCell = b => {  // the centre of block b on the KV canvas, in CSS pixels
+  const canvas = document.getElementById("kv-canvas"), kv = view.kv;
+  const g = kvGrid(canvas.clientWidth, canvas.height / (window.devicePixelRatio || 1), kv.num_blocks);
+  return {x: (b % g.columns) * g.size + g.size / 2, y: Math.floor(b / g.columns) * g.size + g.size / 2, size: g.size};
+};
+
+function drawKV() {
+  const kv = view.kv;
+  if (!kv) return;
+  const [ctx, width, height] = sizeCanvas(document.getElementById("kv-canvas"));
+  ctx.clearRect(0, 0, width, height);
+  const g = kvGrid(width, height, kv.num_blocks), styles = getComputedStyle(document.documentElement);
+  const fill = {".": styles.getPropertyValue("--free"), "c": styles.getPropertyValue("--cached")};
+  const counts = {".": 0, "c": 0, "u": 0, "s": 0};
+  const gap = g.size > 4 ? 1 : 0;
+  for (let b = 0; b < kv.num_blocks; b++) {
+    const state = kv.states[b], x = (b % g.columns) * g.size, y = Math.floor(b / g.columns) * g.size;
+    counts[state]++;
+    const owner = view.owners.get(b);
+    ctx.fillStyle = fill[state] || (owner ? view.colourOf(owner) : "#888");
+    ctx.fillRect(x, y, g.size - gap, g.size - gap);
+    if (state === "s" && g.size >= 4) {  // shared: a dark corner mark
+      ctx.fillStyle = "#111";
+      ctx.fillRect(x, y, Math.max(1, Math.floor(g.size / 3)), Math.max(1, Math.floor(g.size / 3)));
+    }
+  }
+  view.kvCounts = counts;
+  document.getElementById("kv-summary").textContent =
+    `${kv.num_blocks} blocks of ${kv.block_size} tokens: ${counts.u} in use, ${counts.s} shared, ` +
+    `${counts.c} cached, ${counts["."]} free`;
+}
+
+function drawTimeline() {
+  const svg = document.getElementById("timeline-svg");
+  const rows = [...view.requests.values()].sort((a, b) => a.arrival - b.arrival).slice(-MAX_ROWS);
+  const width = svg.clientWidth || 1300, now = view.lastTime;
+  const t0 = rows.length ? Math.min(...rows.map(r => r.arrival)) : now - 1, span = Math.max(now - t0, 1);
+  const x = t => LABEL + (width - LABEL - NOTE) * (t - t0) / span;
+  const parts = [];
+  rows.forEach((r, i) => {
+    const y = 16 + i * ROW, firstStart = r.segments.length ? r.segments[0].t0 : (r.end ?? now);
+    parts.push(`<g class="request" data-request="${r.id}" data-state="${r.state}" data-blocks="${r.blocks}">`);
+    parts.push(`<rect x="2" y="${y + 3}" width="8" height="8" fill="${view.colourOf(r.id)}"/>`);
+    parts.push(`<text x="14" y="${y + 11}">${r.id}</text>`);
+    parts.push(`<rect class="queued" x="${x(r.arrival)}" y="${y + 6}" width="${Math.max(0, x(firstStart) - x(r.arrival))}" height="3" fill="var(--queued)"/>`);
+    for (const s of r.segments) {
+      const w = Math.max(1.5, x(s.t1) - x(s.t0));
+      const tall = s.kind === "preempted" ? [y + 1, ROW - 4] : [y + 2, ROW - 6];
+      parts.push(`<rect class="${s.kind}" x="${x(s.t0)}" y="${tall[0]}" width="${w}" height="${tall[1]}" fill="var(--${s.kind})"/>`);
+    }
+    if (r.end !== null) parts.push(`<rect class="end" x="${x(r.end)}" y="${y}" width="2" height="${ROW - 2}" fill="var(--finished)"/>`);
+    const note = r.end !== null
+      ? `${r.reason} · ${r.outputTokens} tok` + (r.ttft !== null ? ` · TTFT ${r.ttft.toFixed(0)} ms` : "") +
+        (r.itl !== null ? ` · ITL ${r.itl.toFixed(1)} ms` : "")
+      : `${r.state} · ${r.outputTokens} tok · ${r.blocks} blocks`;
+    const preempted = r.preemptions ? ` · preempted ×${r.preemptions}` : "";
+    parts.push(`<text class="note" x="${width - NOTE + 6}" y="${y + 11}">${note}${preempted}</text></g>`);
+  });
+  parts.push(`<text class="note" x="${LABEL}" y="10">${rows.length ? `last ${span.toFixed(1)} s` : "no requests yet: send some"}</text>`);
+  svg.setAttribute("height", 24 + Math.max(1, rows.length) * ROW);
+  svg.innerHTML = parts.join("");
+}
+
+// -------------------------------------------------------------------------------- rates and the connection
+let previous = {time: performance.now(), steps: 0, updates: 0, tokens: 0};
+let tokensSeen = 0;
+setInterval(() => {
+  const now = performance.now(), dt = (now - previous.time) / 1000;
+  const steps = view.counters.steps || 0;
+  view.rates = {steps: (steps - previous.steps) / dt, updates: (view.updates - previous.updates) / dt,
+                tokens: (tokensSeen - previous.tokens) / dt};
+  previous = {time: now, steps, updates: view.updates, tokens: tokensSeen};
+  schedule();
+}, 1000);
+
+function connect() {
+  const params = new URLSearchParams(location.search);
+  const source = new EventSource(params.get("events") || "/v1/engine/events");
+  const status = document.getElementById("connection");
+  source.addEventListener("hello", message => {
+    const hello = JSON.parse(message.data);
+    view.hello = hello; view.steps = []; view.requests = new Map();
+    document.getElementById("model").textContent =
+      `${hello.model} · ${hello.device} · ${hello.num_blocks} KV blocks · budget ${hello.max_num_batched_tokens} tokens` +
+      (hello.speculative ? ` · speculative (${hello.speculative.method}, k = ${hello.speculative.num_speculative_tokens})` : "");
+    document.body.classList.toggle("speculative", Boolean(hello.speculative));
+    status.dataset.state = "live"; status.textContent = "live";
+  });
+  source.addEventListener("state", message => {
+    const e = JSON.parse(message.data);
+    for (const step of e.steps) for (const item of step.items) tokensSeen += item[2] + item[3];
+    applyState(e);
+  });
+  source.onerror = () => { status.dataset.state = "reconnecting"; status.textContent = "reconnecting"; };
+}
+connect();

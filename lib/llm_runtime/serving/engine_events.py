@@ -1,0 +1,244 @@
+"""The engine's live feed: what every step ran and what the engine holds, for the dashboard (`/dashboard`).
+
+The async engine's loop calls `EngineFeed.observe` after every step and between steps, on the loop task while no
+step runs, so the feed reads the scheduler and the block manager when they are still; handlers only ever see the
+events it built. With no subscriber, `observe` returns at once: a server nobody watches pays nothing.
+
+    subscription = feed.subscribe()        # a bounded queue; a hello event and the current state are first in it
+    async for event in subscription:       # dicts; the server sends each as one server-sent event
+        ...
+
+What an event holds (`protocol.EngineEvent` is its schema, and `GET /v1/engine/events` sends them):
+- `hello`, once per subscriber: the engine's shape (pool size, block size, token budget, speculation);
+- `state`, at most every `interval_s` (and when the engine goes idle): the steps run since the last one (per
+  request: prefill and decode tokens, drafts verified and kept), the running sequences with their block tables,
+  the waiting ones (preempted or not), the requests that finished, one character per KV block (free, cached,
+  in use, shared) and the engine's counters.
+
+Batching the steps of one interval into one event keeps the feed's cost bounded by time, not by the step rate: a
+batch-1 decode at 250 steps a second still builds 30 events a second. Each subscriber has a queue of
+`max_queued` events; one whose queue is full (a page that stopped reading, a stuck connection) is dropped, never
+waited for. A dropped page's EventSource reconnects and starts again from a fresh hello and state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+from ..engine.engine import LLMEngine
+from ..engine.outputs import RequestOutput
+from ..engine.sequence import Sequence
+
+__all__ = ["BLOCK_STATES", "EngineFeed", "Subscription"]
+
+# One character per KV block: free (never used, or forgotten), cached (a prefix no request holds; evictable),
+# in use by one sequence, shared by several (prefix hits, forks).
+BLOCK_STATES = {"free": ".", "cached": "c", "used": "u", "shared": "s"}
+# bytes.translate's table: reference count 0, 1, 2 (2 or more) -> free, used, shared (the cached ones come after).
+_CODE_TABLE = b".us" + bytes(range(3, 256))
+
+
+class Subscription:
+    """One subscriber's bounded queue of events; iterating waits for the next, and ends once it is dropped."""
+
+    def __init__(self, max_queued: int) -> None:
+        self.max_queued = max_queued
+        self.dropped = False  # its queue overflowed: it was too slow, and it gets no more events
+        self.closed = False  # it left (unsubscribed) or was dropped
+        self._events: deque[dict[str, Any]] = deque()
+        self._ready = asyncio.Event()
+
+    def push(self, event: dict[str, Any]) -> bool:
+        """Queue an event without waiting; False (and the subscriber is closed) when its queue is full."""
+        if self.closed:
+            return False
+        if len(self._events) >= self.max_queued:
+            self.dropped = self.closed = True
+            self._events.clear()
+            self._ready.set()
+            return False
+        self._events.append(event)
+        self._ready.set()
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+        self._ready.set()
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._events)
+
+    def __aiter__(self) -> "Subscription":
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        while not self._events:
+            if self.closed:
+                raise StopAsyncIteration
+            self._ready.clear()
+            await self._ready.wait()
+        return self._events.popleft()
+
+
+class EngineFeed:
+    """Builds the dashboard's events from the engine between steps and hands them to every subscriber."""
+
+    def __init__(self, engine: LLMEngine, model_name: str = "", *, interval_s: float = 1 / 30,
+                 max_queued: int = 64) -> None:
+        if interval_s < 0 or max_queued < 2:
+            raise ValueError(f"interval_s must be >= 0 and max_queued >= 2, got {interval_s} and {max_queued}")
+        self.engine = engine
+        self.model_name = model_name
+        self.interval_s = interval_s
+        self.max_queued = max_queued
+        self.origin = time.perf_counter()  # event times are seconds since this (the engine's clock)
+        self.subscribers: list[Subscription] = []
+        self.num_events = 0  # state events built
+        self.num_dropped = 0  # subscribers dropped for not keeping up
+        self.num_aborted = 0
+        self._steps: list[dict[str, Any]] = []  # steps since the last state event
+        self._finished: list[dict[str, Any]] = []  # requests finished since the last state event
+        self._last_publish = float("-inf")
+        self._last_state: dict[str, Any] | None = None
+        self._new_subscribers: list[Subscription] = []  # waiting for their first state, built by the loop
+
+    # ------------------------------------------------------------------ subscribers (handlers call these)
+    def subscribe(self) -> Subscription:
+        """A new subscriber: its first events are a hello and the engine's state (built at the loop's next pass:
+        the caller wakes the loop)."""
+        subscription = Subscription(self.max_queued)
+        subscription.push(self.hello())
+        self.subscribers.append(subscription)
+        self._new_subscribers.append(subscription)
+        return subscription
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        subscription.close()
+        if subscription in self.subscribers:
+            self.subscribers.remove(subscription)
+
+    @property
+    def wants_state(self) -> bool:
+        """A subscriber waits for its first state: the loop should build one even when the engine is idle."""
+        return bool(self._new_subscribers)
+
+    def hello(self) -> dict[str, Any]:
+        """What stays fixed for the engine's life (no live state: the pool's shape and the engine's limits)."""
+        engine, config = self.engine, self.engine.config
+        spec = config.speculative_config
+        return {"type": "hello", "model": self.model_name, "time": self._time(time.perf_counter()),
+                "num_blocks": engine.block_manager.num_total_blocks, "block_size": engine.block_manager.block_size,
+                "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
+                "max_model_len": engine.max_model_len, "device": str(engine.model.device),
+                "kv_cache_dtype": config.kv_cache_dtype, "tensor_parallel_size": config.tensor_parallel_size,
+                "speculative": None if spec is None else {"method": getattr(spec, "method", None),
+                                                          "num_speculative_tokens":
+                                                              getattr(spec, "num_speculative_tokens", None)},
+                "block_states": BLOCK_STATES, "interval_ms": round(self.interval_s * 1e3, 3)}
+
+    # ------------------------------------------------------------------ the loop calls these
+    def observe(self, outputs: Iterable[RequestOutput] = (), stepped: bool = False) -> None:
+        """After a step (`stepped`, with its outputs) or between steps: record, and publish when it is time."""
+        if not self.subscribers:
+            self._new_subscribers.clear()
+            return
+        engine = self.engine
+        if stepped and engine.last_step is not None:
+            self._steps.append(self._step(engine))
+        for output in outputs:
+            if output.finished:
+                self._finished.append(self._finished_request(output))
+        now = time.perf_counter()
+        idle = not engine.has_unfinished_requests()
+        if self._new_subscribers or now - self._last_publish >= self.interval_s or (
+                idle and (self._steps or self._finished)):
+            self.publish(self.state(now))
+
+    def aborted(self, request_id: str) -> None:
+        """A request left before it finished (its client went away)."""
+        if self.subscribers:
+            self._finished.append({"id": request_id, "reason": "abort", "output_tokens": None, "ttft_ms": None,
+                                   "itl_ms": None})
+
+    def publish(self, event: dict[str, Any]) -> None:
+        """Hand the event to every subscriber; drop those whose queue is full (never wait for one)."""
+        self._last_state, self._last_publish = event, time.perf_counter()
+        self._new_subscribers.clear()
+        for subscription in list(self.subscribers):
+            if not subscription.push(event):
+                self.subscribers.remove(subscription)
+                self.num_dropped += subscription.dropped
+
+    # ------------------------------------------------------------------ building events (no step in flight)
+    def _time(self, t: float | None) -> float | None:
+        return None if t is None else round(t - self.origin, 4)
+
+    def _step(self, engine: LLMEngine) -> dict[str, Any]:
+        record = engine.last_step
+        assert record is not None
+        drafts = record.drafts or [(0, 0)] * len(record.items)
+        items = [[request_id, index, num if prefill else 0, 0 if prefill else num, proposed, kept]
+                 for (request_id, index, num, prefill), (proposed, kept) in zip(record.items, drafts)]
+        return {"step": record.index, "start": self._time(record.start), "duration_ms": round(record.duration * 1e3, 3),
+                "items": items, "preempted": [[request_id, index] for request_id, index in record.preempted]}
+
+    def _finished_request(self, output: RequestOutput) -> dict[str, Any]:
+        metrics = output.metrics
+        ttft = None if metrics.first_token_time is None else metrics.first_token_time - metrics.arrival_time
+        times = metrics.token_times
+        itl = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+        reasons = sorted({completion.finish_reason or "unknown" for completion in output.outputs})
+        return {"id": output.request_id, "reason": ",".join(reasons),
+                "output_tokens": sum(len(completion.token_ids) for completion in output.outputs),
+                "ttft_ms": None if ttft is None else round(ttft * 1e3, 2),
+                "itl_ms": None if itl is None else round(itl * 1e3, 2)}
+
+    def _sequence(self, seq: Sequence, blocks: list[int] | None) -> dict[str, Any]:
+        view: dict[str, Any] = {
+            "id": seq.request_id, "index": seq.index, "prompt_tokens": seq.num_prompt_tokens,
+            "output_tokens": seq.num_output_tokens, "computed_tokens": seq.num_computed_tokens,
+            "arrival": self._time(seq.times.arrival), "first_token": self._time(seq.times.first_token)}
+        if blocks is not None:
+            view["blocks"] = blocks
+        else:  # waiting: it ran before, so it was preempted (its blocks were freed, it recomputes)
+            view["preempted"] = seq.times.first_scheduled is not None
+        return view
+
+    def kv_states(self) -> str:
+        """One character per block (BLOCK_STATES), from the reference counts and the prefix cache's parked list."""
+        allocator = self.engine.block_manager.allocator
+        codes = bytearray(bytes(r if r < 2 else 2 for r in allocator.ref_counts).translate(_CODE_TABLE))
+        cached = ord(BLOCK_STATES["cached"])
+        for block in allocator.prefix_cache.evictable:
+            codes[block] = cached
+        return codes.decode("ascii")
+
+    def state(self, now: float) -> dict[str, Any]:
+        engine = self.engine
+        scheduler, tables = engine.scheduler, engine.block_manager.block_tables
+        stats = engine.stats()
+        waiting = [*scheduler.waiting, *(child for children in scheduler.forks.values() for child in children)]
+        event = {
+            "type": "state", "event": self.num_events, "time": self._time(now), "steps": self._steps,
+            "running": [self._sequence(seq, list(tables.get(seq, ()))) for seq in scheduler.running],
+            "waiting": [self._sequence(seq, None) for seq in waiting],
+            "finished": self._finished,
+            "kv": {"num_blocks": stats.num_total_blocks, "block_size": stats.block_size, "states": self.kv_states()},
+            "counters": {
+                "steps": engine.profile.num_steps, "running": stats.num_running, "waiting": stats.num_waiting,
+                "free_blocks": stats.num_free_blocks, "cached_blocks": stats.num_cached_blocks,
+                "preemptions": stats.num_preemptions, "prefix_queried_tokens": stats.prefix_cache_queried_tokens,
+                "prefix_hit_tokens": stats.prefix_cache_hit_tokens, "failed_requests": stats.num_failed_requests,
+                "draft_tokens": stats.num_draft_tokens, "accepted_tokens": stats.num_accepted_tokens,
+                "forced_tokens": stats.num_forced_tokens, "accepted_forced_tokens": stats.num_accepted_forced_tokens,
+                "native_steps": stats.num_native_steps, "compiled_steps": stats.num_compiled_steps,
+                "graph_replays": stats.num_graph_replays}}
+        self._steps, self._finished = [], []
+        self.num_events += 1
+        return event
+
