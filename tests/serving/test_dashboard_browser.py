@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=f"dashboard browser t
 PREFIX = list(range(1000, 1040))  # 40 tokens every prompt shares: 2 full blocks of 16
 NUM_REQUESTS = 8
 
-# In the page: the colour a block of each running request's is drawn in, read back from the canvas.
+# In the page: the colour each running request's blocks are drawn in, read back from the canvas.
 OWNED_PIXELS = """() => {
   const d = window.dashboard;
   d.redraw();
@@ -67,12 +67,14 @@ async def _scenario(base: str, tmp_path) -> None:
         assert all(response.status_code == 200 for response in responses)
         assert owned and all(drawn == colour for _, drawn, colour in owned), owned[:3]
 
-        await page.wait_for_function(f"() => document.querySelectorAll('[data-state=finished]').length == {NUM_REQUESTS}")
+        await page.wait_for_function(
+            f"() => (window.dashboard.redraw(), window.dashboard.rows.filter(r => r.state == 'finished').length) == "
+            f"{NUM_REQUESTS}")
         await page.screenshot(path=str(tmp_path / "finished.png"), full_page=True)
-        rows = await page.eval_on_selector_all("g.request", "rows => rows.map(r => r.textContent)")
-        assert len(rows) == NUM_REQUESTS and all("length · 60 tok · TTFT" in row for row in rows), rows
-        assert await page.locator("rect.preempted").count() >= 1, "the pool is small enough to preempt"
-        assert await page.locator("rect.prefill").count() >= NUM_REQUESTS
+        rows = await page.evaluate("() => window.dashboard.rows")
+        assert len(rows) == NUM_REQUESTS and all(row["note"].startswith("length · 60 tok · TTFT") for row in rows), rows
+        assert all("prefill" in row["kinds"] and "decode" in row["kinds"] for row in rows), rows
+        assert any("preempted" in row["kinds"] for row in rows), "the pool is small enough to preempt"
         counters = await page.eval_on_selector_all("#counters div", "ds => ds.map(d => d.textContent)")
         assert "running0" in counters and any(c.startswith("preemptions") and c != "preemptions0" for c in counters)
         kv = await page.evaluate("() => window.dashboard.kvCounts")

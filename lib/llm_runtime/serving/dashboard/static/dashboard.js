@@ -10,7 +10,7 @@ const ROW = 18, LABEL = 90, NOTE = 300;
 
 const view = {
   hello: null, steps: [], requests: new Map(), kv: null, owners: new Map(), counters: {},
-  updates: 0, draws: 0, drawMs: 0, errors: 0, lastTime: 0, rates: {steps: 0, tokens: 0, updates: 0},
+  updates: 0, draws: 0, drawMs: 0, errors: 0, frameMs: Number(new URLSearchParams(location.search).get("frame_ms") || 0), lastTime: 0, rates: {steps: 0, tokens: 0, updates: 0},
 };
 window.dashboard = view;
 
@@ -26,9 +26,16 @@ function hslToRgb(h, s, l) {
   return [f(0), f(8), f(4)];
 }
 // A request's colour (its blocks and its timeline label): a hue from its id, as "rgb(r, g, b)".
+const colours = new Map();
 view.colourOf = id => {
-  const [r, g, b] = hslToRgb((hash(id) * 137.508) % 360, 0.62, 0.52);  // the golden angle spreads the hues
-  return `rgb(${r}, ${g}, ${b})`;
+  let colour = colours.get(id);
+  if (colour === undefined) {
+    const [r, g, b] = hslToRgb((hash(id) * 137.508) % 360, 0.62, 0.52);  // the golden angle spreads the hues
+    colour = `rgb(${r}, ${g}, ${b})`;
+    if (colours.size > 4096) colours.clear();
+    colours.set(id, colour);
+  }
+  return colour;
 };
 
 // -------------------------------------------------------------------------------- applying events
@@ -101,13 +108,18 @@ function applyState(e) {
 let pending = false, lastSlowDraw = -Infinity;
 const SLOW_DRAW_MS = 250;
 view.redraw = () => { lastSlowDraw = -Infinity; draw(); };  // draw now (what a test reads is then what the canvases show)
-function schedule() {
-  if (!pending) { pending = true; requestAnimationFrame(draw); }
+let lastFrame = -Infinity;
+function schedule() {  // the next frame, no sooner than view.frameMs after the last one
+  if (pending) return;
+  pending = true;
+  const wait = lastFrame + view.frameMs - performance.now();
+  if (wait > 0) setTimeout(() => requestAnimationFrame(draw), wait);
+  else requestAnimationFrame(draw);
 }
 
 function draw() {
   pending = false;
-  const start = performance.now();
+  const start = lastFrame = performance.now();
   try {
     drawBatch(); drawKV();  // every update: the step's bar and the pool
     if (start - lastSlowDraw >= SLOW_DRAW_MS) {  // text and the timeline's rows: a few times a second is enough
@@ -122,15 +134,23 @@ function draw() {
   }
 }
 
+// A canvas drawn at the screen's resolution: its CSS height is its height attribute's, its width its box's;
+// [context, width, height, whether it was resized (and so cleared)].
 function sizeCanvas(canvas) {
-  const width = canvas.clientWidth || canvas.width, ratio = window.devicePixelRatio || 1;
-  if (canvas.width !== Math.round(width * ratio)) canvas.width = Math.round(width * ratio);
+  const ratio = window.devicePixelRatio || 1;
+  if (!canvas.dataset.height) { canvas.dataset.height = canvas.height; canvas.style.height = `${canvas.height}px`; }
+  const width = canvas.clientWidth || canvas.width, height = Number(canvas.dataset.height);
+  const resized = canvas.width !== Math.round(width * ratio) || canvas.height !== Math.round(height * ratio);
+  if (resized) {  // (which clears it)
+    canvas.width = Math.round(width * ratio);
+    canvas.height = Math.round(height * ratio);
+  }
   const ctx = canvas.getContext("2d");
   ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
-  return [ctx, width, canvas.height / ratio];
+  return [ctx, width, height, resized];
 }
 
-function drawCounters() {
+function drawCounters() {  // in place: only the numbers' text changes
   const c = view.counters, h = view.hello, kv = view.kv;
   const items = [["running", c.running], ["waiting", c.waiting], ["preemptions", c.preemptions],
     ["KV used", kv ? `${kv.num_blocks - c.free_blocks} / ${kv.num_blocks}` : "–"],
@@ -142,8 +162,19 @@ function drawCounters() {
     items.push(["drafts kept", c.draft_tokens ? `${(100 * c.accepted_tokens / c.draft_tokens).toFixed(1)} %` : "–"]);
   }
   if (c.failed_requests) items.push(["failed", c.failed_requests]);
-  document.getElementById("counters").innerHTML = items.map(([k, v]) =>
-    `<div data-counter="${k}"><dt>${k}</dt><dd>${v ?? "–"}</dd></div>`).join("");
+  const list = document.getElementById("counters");
+  for (const [name, value] of items) {
+    let entry = list.querySelector(`[data-counter="${name}"] dd`);
+    if (!entry) {
+      const div = document.createElement("div");
+      div.dataset.counter = name;
+      div.innerHTML = `<dt>${name}</dt><dd></dd>`;
+      list.appendChild(div);
+      entry = div.querySelector("dd");
+    }
+    const text = String(value ?? "–");
+    if (entry.textContent !== text) entry.textContent = text;
+  }
 }
 
 function drawBatch() {
@@ -187,65 +218,82 @@ function kvGrid(width, height, n) {
 }
 view.kvCell = b => {  // the centre of block b on the KV canvas, in CSS pixels
   const canvas = document.getElementById("kv-canvas"), kv = view.kv;
-  const g = kvGrid(canvas.clientWidth, canvas.height / (window.devicePixelRatio || 1), kv.num_blocks);
+  const g = kvGrid(canvas.clientWidth, Number(canvas.dataset.height), kv.num_blocks);
   return {x: (b % g.columns) * g.size + g.size / 2, y: Math.floor(b / g.columns) * g.size + g.size / 2, size: g.size};
 };
 
+// The pool changes a few blocks a step: only blocks whose state or owner changed since the last frame are painted
+// again (the whole grid when the canvas or the pool changed shape), which keeps each frame's work small.
+let kvDrawn = null;
 function drawKV() {
   const kv = view.kv;
   if (!kv) return;
-  const [ctx, width, height] = sizeCanvas(document.getElementById("kv-canvas"));
-  ctx.clearRect(0, 0, width, height);
+  const [ctx, width, height, resized] = sizeCanvas(document.getElementById("kv-canvas"));
   const g = kvGrid(width, height, kv.num_blocks), styles = getComputedStyle(document.documentElement);
   const fill = {".": styles.getPropertyValue("--free"), "c": styles.getPropertyValue("--cached")};
   const counts = {".": 0, "c": 0, "u": 0, "s": 0};
-  const gap = g.size > 4 ? 1 : 0;
+  const gap = g.size > 4 ? 1 : 0, mark = Math.max(1, Math.floor(g.size / 3));
+  const whole = resized || !kvDrawn || kvDrawn.size !== g.size || kvDrawn.columns !== g.columns ||
+    kvDrawn.owners.length !== kv.num_blocks;
+  if (whole) ctx.clearRect(0, 0, width, height);
+  const owners = new Array(kv.num_blocks);
   for (let b = 0; b < kv.num_blocks; b++) {
-    const state = kv.states[b], x = (b % g.columns) * g.size, y = Math.floor(b / g.columns) * g.size;
+    const state = kv.states[b], owner = view.owners.get(b) ?? null;
     counts[state]++;
-    const owner = view.owners.get(b);
+    owners[b] = owner;
+    if (!whole && kvDrawn.states[b] === state && kvDrawn.owners[b] === owner) continue;
+    const x = (b % g.columns) * g.size, y = Math.floor(b / g.columns) * g.size;
     ctx.fillStyle = fill[state] || (owner ? view.colourOf(owner) : "#888");
     ctx.fillRect(x, y, g.size - gap, g.size - gap);
     if (state === "s" && g.size >= 4) {  // shared: a dark corner mark
       ctx.fillStyle = "#111";
-      ctx.fillRect(x, y, Math.max(1, Math.floor(g.size / 3)), Math.max(1, Math.floor(g.size / 3)));
+      ctx.fillRect(x, y, mark, mark);
     }
   }
+  kvDrawn = {states: kv.states, owners, size: g.size, columns: g.columns};
   view.kvCounts = counts;
-  document.getElementById("kv-summary").textContent =
-    `${kv.num_blocks} blocks of ${kv.block_size} tokens: ${counts.u} in use, ${counts.s} shared, ` +
+  const summary = `${kv.num_blocks} blocks of ${kv.block_size} tokens: ${counts.u} in use, ${counts.s} shared, ` +
     `${counts.c} cached, ${counts["."]} free`;
+  const element = document.getElementById("kv-summary");
+  if (element.textContent !== summary) element.textContent = summary;
 }
 
+// Each request's row: what the canvas shows, also kept in view.rows ({id, state, note, kinds}) for tests and readers.
 function drawTimeline() {
-  const svg = document.getElementById("timeline-svg");
+  const canvas = document.getElementById("timeline-canvas");
+  const [ctx, width, height] = sizeCanvas(canvas);
+  ctx.clearRect(0, 0, width, height);
   const rows = [...view.requests.values()].sort((a, b) => a.arrival - b.arrival).slice(-MAX_ROWS);
-  const width = svg.clientWidth || 1300, now = view.lastTime;
+  const now = view.lastTime;
   const t0 = rows.length ? Math.min(...rows.map(r => r.arrival)) : now - 1, span = Math.max(now - t0, 1);
   const x = t => LABEL + (width - LABEL - NOTE) * (t - t0) / span;
-  const parts = [];
-  rows.forEach((r, i) => {
+  const styles = getComputedStyle(document.documentElement), colour = name => styles.getPropertyValue(name);
+  ctx.font = "11px system-ui, sans-serif";
+  ctx.fillStyle = colour("--muted");
+  ctx.fillText(rows.length ? `last ${span.toFixed(1)} s` : "no requests yet: send some", LABEL, 10);
+  view.rows = rows.map((r, i) => {
     const y = 16 + i * ROW, firstStart = r.segments.length ? r.segments[0].t0 : (r.end ?? now);
-    parts.push(`<g class="request" data-request="${r.id}" data-state="${r.state}" data-blocks="${r.blocks}">`);
-    parts.push(`<rect x="2" y="${y + 3}" width="8" height="8" fill="${view.colourOf(r.id)}"/>`);
-    parts.push(`<text x="14" y="${y + 11}">${r.id}</text>`);
-    parts.push(`<rect class="queued" x="${x(r.arrival)}" y="${y + 6}" width="${Math.max(0, x(firstStart) - x(r.arrival))}" height="3" fill="var(--queued)"/>`);
-    for (const s of r.segments) {
-      const w = Math.max(1.5, x(s.t1) - x(s.t0));
-      const tall = s.kind === "preempted" ? [y + 1, ROW - 4] : [y + 2, ROW - 6];
-      parts.push(`<rect class="${s.kind}" x="${x(s.t0)}" y="${tall[0]}" width="${w}" height="${tall[1]}" fill="var(--${s.kind})"/>`);
+    ctx.fillStyle = view.colourOf(r.id);
+    ctx.fillRect(2, y + 3, 8, 8);
+    ctx.fillStyle = colour("--ink");
+    ctx.fillText(r.id, 14, y + 11);
+    ctx.fillStyle = colour("--queued");
+    ctx.fillRect(x(r.arrival), y + 6, Math.max(0, x(firstStart) - x(r.arrival)), 3);
+    for (const seg of r.segments) {
+      ctx.fillStyle = colour(`--${seg.kind}`);
+      const [top, tall] = seg.kind === "preempted" ? [y + 1, ROW - 4] : [y + 2, ROW - 6];
+      ctx.fillRect(x(seg.t0), top, Math.max(1.5, x(seg.t1) - x(seg.t0)), tall);
     }
-    if (r.end !== null) parts.push(`<rect class="end" x="${x(r.end)}" y="${y}" width="2" height="${ROW - 2}" fill="var(--finished)"/>`);
-    const note = r.end !== null
+    if (r.end !== null) { ctx.fillStyle = colour("--finished"); ctx.fillRect(x(r.end), y, 2, ROW - 2); }
+    const note = (r.end !== null
       ? `${r.reason} · ${r.outputTokens} tok` + (r.ttft !== null ? ` · TTFT ${r.ttft.toFixed(0)} ms` : "") +
         (r.itl !== null ? ` · ITL ${r.itl.toFixed(1)} ms` : "")
-      : `${r.state} · ${r.outputTokens} tok · ${r.blocks} blocks`;
-    const preempted = r.preemptions ? ` · preempted ×${r.preemptions}` : "";
-    parts.push(`<text class="note" x="${width - NOTE + 6}" y="${y + 11}">${note}${preempted}</text></g>`);
+      : `${r.state} · ${r.outputTokens} tok · ${r.blocks} blocks`) +
+      (r.preemptions ? ` · preempted ×${r.preemptions}` : "");
+    ctx.fillStyle = colour("--muted");
+    ctx.fillText(note, width - NOTE + 6, y + 11);
+    return {id: r.id, state: r.state, note, blocks: r.blocks, kinds: [...new Set(r.segments.map(seg => seg.kind))]};
   });
-  parts.push(`<text class="note" x="${LABEL}" y="10">${rows.length ? `last ${span.toFixed(1)} s` : "no requests yet: send some"}</text>`);
-  svg.setAttribute("height", 24 + Math.max(1, rows.length) * ROW);
-  svg.innerHTML = parts.join("");
 }
 
 // -------------------------------------------------------------------------------- rates and the connection
