@@ -33,6 +33,22 @@ def bundled_server(bundled, **engine_options) -> Iterator[tuple[str, object, obj
         engine.shutdown()
 
 
+def engine_events(base: str, count: int = 2) -> list[dict]:
+    """The first `count` events of the server's live feed (`/v1/engine/events`): the hello, then states."""
+    import json
+
+    import httpx
+
+    events: list[dict] = []
+    with httpx.Client(timeout=30) as http, http.stream("GET", f"{base}/v1/engine/events") as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: "):]))
+                if len(events) == count:
+                    return events
+    raise AssertionError(f"the event stream ended after {len(events)} events")
+
+
 def openai_client(base: str):
     import openai
 

@@ -174,7 +174,7 @@ def test_states_are_batched_by_time_not_by_step(tiny_chat_model) -> None:
 
 
 # ------------------------------------------------------------------------------------------ over HTTP
-def test_the_endpoint_streams_a_hello_then_states_while_requests_run(tiny_chat_model) -> None:
+def test_the_endpoint_streams_a_hello_then_states_while_requests_run_and_end(tiny_chat_model) -> None:
     model, tokenizer = tiny_chat_model
     engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=64, max_num_seqs=4))
     with running(create_app(engine, "tiny")) as base:
@@ -190,12 +190,17 @@ def test_the_endpoint_streams_a_hello_then_states_while_requests_run(tiny_chat_m
             assert httpx.post(f"{base}/v1/completions", json=body, timeout=30).status_code == 200
             while not any(e["finished"] for e in events[1:]):
                 events.append(next_event())
+            long = {"model": "tiny", "prompt": "Hang up on me", "max_tokens": 200, "ignore_eos": True, "stream": True}
+            with http.stream("POST", f"{base}/v1/completions", json=long) as hung_up:
+                next(line for line in hung_up.iter_lines() if line.startswith("data: "))  # one chunk, then leave
+            while not any(f["reason"] == "abort" for e in events[1:] for f in e["finished"]):
+                events.append(next_event())
         assert events[0]["type"] == "hello" and events[0]["model"] == "tiny"
         for event in events:
             protocol.EngineEvent.model_validate({"event": event})
         assert any(s["index"] == 1 for e in events[1:] for s in e["running"]), "both completions of n = 2 show"
         finished = [f for e in events[1:] for f in e["finished"]]
-        assert len(finished) == 1 and finished[0]["output_tokens"] == 16
+        assert [f["reason"] for f in finished] == ["length", "abort"] and finished[0]["output_tokens"] == 16
         metrics = httpx.get(f"{base}/metrics").text
         assert "llm_runtime_engine_event_subscribers " in metrics
         deadline = time.time() + 10

@@ -12,7 +12,7 @@ import pytest
 
 from llm_runtime import EngineConfig, LLMEngine
 from llm_runtime.serving.server import create_app
-from servers import MODEL_NAME, TEST_KV_MEMORY, openai_client, running
+from servers import MODEL_NAME, TEST_KV_MEMORY, engine_events, openai_client, running
 
 pytestmark = pytest.mark.slow
 
@@ -23,8 +23,12 @@ MESSAGES = [[{"role": "user", "content": "What is the capital of France?"}],
 def _answers(engine: LLMEngine) -> list[str]:
     with running(create_app(engine, MODEL_NAME)) as base:
         client = openai_client(base)
-        return [client.chat.completions.create(model=MODEL_NAME, messages=m, temperature=0, max_tokens=20,
-                                               seed=0).choices[0].message.content for m in MESSAGES]
+        answers = [client.chat.completions.create(model=MODEL_NAME, messages=m, temperature=0, max_tokens=20,
+                                                  seed=0).choices[0].message.content for m in MESSAGES]
+        hello, state = engine_events(base)  # the live view of the engine, whatever its ranks
+        assert hello["tensor_parallel_size"] == engine.config.tensor_parallel_size
+        assert state["counters"]["steps"] > 0 and len(state["kv"]["states"]) == hello["num_blocks"]
+        return answers
 
 
 def test_three_ranks_answer_as_one_and_a_dead_worker_gives_503(bundled) -> None:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from llm_runtime import LLM, SamplingParams
-from servers import MODEL_NAME, TEST_KV_MEMORY, bundled_server, openai_client, wait_idle
+from servers import MODEL_NAME, TEST_KV_MEMORY, bundled_server, engine_events, openai_client, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -54,6 +54,9 @@ def test_speculating_server_answers_as_the_engine_without_it(bundled, reference)
         assert _metric(metrics, "llm_runtime_spec_decode_acceptance_rate") == pytest.approx(accepted / drafts)
         stats = engine.stats()
         assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0  # no block held
+        hello, state = engine_events(base)  # the live view knows it speculates, and counts as /metrics does
+        assert hello["speculative"] == {"method": "ngram", "num_speculative_tokens": 4}
+        assert (state["counters"]["draft_tokens"], state["counters"]["accepted_tokens"]) == (drafts, accepted)
 
 
 def _metric(text: str, name: str) -> float:
