@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+from ..config import SpeculativeConfig
 from ..engine.engine import LLMEngine
 from ..engine.outputs import RequestOutput
 from ..engine.sequence import Sequence
@@ -131,14 +132,14 @@ class EngineFeed:
         """What stays fixed for the engine's life (no live state: the pool's shape and the engine's limits)."""
         engine, config = self.engine, self.engine.config
         spec = config.speculative_config
+        assert spec is None or isinstance(spec, SpeculativeConfig)  # EngineConfig parsed it
         return {"type": "hello", "model": self.model_name, "time": self._time(time.perf_counter()),
                 "num_blocks": engine.block_manager.num_total_blocks, "block_size": engine.block_manager.block_size,
                 "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
                 "max_model_len": engine.max_model_len, "device": str(engine.model.device),
                 "kv_cache_dtype": config.kv_cache_dtype, "tensor_parallel_size": config.tensor_parallel_size,
-                "speculative": None if spec is None else {"method": getattr(spec, "method", None),
-                                                          "num_speculative_tokens":
-                                                              getattr(spec, "num_speculative_tokens", None)},
+                "speculative": None if spec is None else {"method": spec.method,
+                                                          "num_speculative_tokens": spec.num_speculative_tokens},
                 "block_states": BLOCK_STATES, "interval_ms": round(self.interval_s * 1e3, 3)}
 
     # ------------------------------------------------------------------ the loop calls these

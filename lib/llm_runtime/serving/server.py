@@ -130,6 +130,19 @@ def _sse_doc(chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
                   "content": {"text/event-stream": {"schema": event}}}}
 
 
+def _events_doc() -> dict[int | str, dict[str, Any]]:
+    """The 200 response of `/v1/engine/events`: server-sent events named by their type, `data` an EngineHello first and
+    EngineStates after it."""
+    json_data = {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [
+        {"$ref": "#/components/schemas/EngineHello"}, {"$ref": "#/components/schemas/EngineState"}]}}
+    event = {"type": "object", "required": ["data"], "properties": {
+        "data": json_data, "event": {"type": "string", "enum": ["hello", "state"]}, "id": {"type": "string"},
+        "retry": {"type": "integer", "minimum": 0}}}
+    return {200: {"description": "server-sent events: a hello, then the engine's state between steps (an "
+                                 "EngineEvent's `event` in each `data`)",
+                  "content": {"text/event-stream": {"schema": event}}}}
+
+
 def _openapi(app: FastAPI, request_models: tuple[type[BaseModel], ...]) -> dict[str, Any]:
     """FastAPI's schema, made to tell the truth: validation errors are 400 (never 422), the streamed
     chunk models are components, and request bodies are their models' own JSON schema (FastAPI's
@@ -142,7 +155,8 @@ def _openapi(app: FastAPI, request_models: tuple[type[BaseModel], ...]) -> dict[
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             components.pop(name, None)
-        for model in (*request_models, protocol.CompletionChunk, protocol.ChatCompletionChunk):
+        for model in (*request_models, protocol.CompletionChunk, protocol.ChatCompletionChunk, protocol.EngineHello,
+                      protocol.EngineState):
             definition = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(definition.pop("$defs", {}))
             components[model.__name__] = definition
@@ -231,9 +245,7 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
         except EngineDeadError as error:
             raise APIError(503, str(error), kind="server_error") from error
 
-    @app.get("/v1/engine/events", response_class=StreamingResponse, responses={
-        200: {"description": "server-sent events, each `data` an EngineEvent's `event` (a hello, then states)",
-              "content": {"text/event-stream": {"schema": {"type": "string"}}}}, 503: _ERRORS[503]})
+    @app.get("/v1/engine/events", response_class=StreamingResponse, responses={**_events_doc(), 503: _ERRORS[503]})
     async def engine_events(request: Request) -> StreamingResponse:
         """The engine's live state (engine_events.py): a hello, then a state event at most every `interval_ms` while
         the engine works. A subscriber that does not keep up is dropped (its stream ends; EventSource reconnects)."""
