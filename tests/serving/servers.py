@@ -59,7 +59,9 @@ def openai_client(base: str):
 def running(app) -> Iterator[str]:
     """Serve `app` on 127.0.0.1; yields its base URL; stops the server (and the engine loop) on exit."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    # An open event stream (/v1/engine/events) never ends by itself: uvicorn cancels it 3 s into the shutdown.
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=3))
     thread = threading.Thread(target=server.run, daemon=True, name="uvicorn")
     thread.start()
     deadline = time.time() + 30

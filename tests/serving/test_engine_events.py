@@ -255,3 +255,18 @@ def test_a_stuck_connection_is_dropped_and_requests_get_the_same_tokens(tiny_cha
             assert "llm_runtime_engine_event_subscribers_dropped_total 1.0" in httpx.get(f"{base}/metrics").text
         finally:
             stuck.close()
+
+
+def test_a_server_stops_with_an_event_stream_open(tiny_chat_model) -> None:
+    model, tokenizer = tiny_chat_model
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=16))
+    started = time.monotonic()
+    with running(create_app(engine, "tiny")) as base:
+        reader = socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])))
+        reader.sendall(b"GET /v1/engine/events HTTP/1.1\r\nHost: x\r\n\r\n")
+        reader.settimeout(10)
+        received = b""
+        while b"event: state" not in received:  # the hello, then the state it found: the stream is open
+            received += reader.recv(65536)
+    assert time.monotonic() - started < 20, "the open stream held the server's shutdown up"
+    reader.close()

@@ -145,8 +145,9 @@ class EngineFeed:
     # ------------------------------------------------------------------ the loop calls these
     def observe(self, outputs: Iterable[RequestOutput] = (), stepped: bool = False) -> None:
         """After a step (`stepped`, with its outputs) or between steps: record, and publish when it is time."""
-        if not self.subscribers:
+        if not self.subscribers:  # (and nothing kept for a later subscriber: it starts from the state it finds)
             self._new_subscribers.clear()
+            self._steps, self._finished = [], []
             return
         engine = self.engine
         if stepped and engine.last_step is not None:
