@@ -123,8 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--conditions", default=",".join(CONDITIONS))
     parser.add_argument("--output", default=None, help="also write the results as JSON there")
+    parser.add_argument("--table", default=None, metavar="JSON", help="only print the table of an --output file")
     parser.add_argument("server_args", nargs="*", help="more `serve` options, after --")
     args = parser.parse_args(argv)
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())["results"]))
+        return 0
     conditions = args.conditions.split(",")
     base = f"http://127.0.0.1:{args.port}"
     server = _start_server(args.port, args)
@@ -140,23 +144,33 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
-    reference = statistics.median(r["tok_s"] for r in results["none"]) if "none" in results else None
     print(f"\n{args.clients} streams x {args.requests_per_client} x {args.max_tokens} tokens, {args.rounds} rounds, "
           f"dtype {args.dtype}, {os.cpu_count()} CPUs")
-    print("| condition | output tok/s (median) | vs none | rounds | page updates/s | feed events/s per reader |")
-    print("|---|---|---|---|---|---|")
-    for condition in conditions:
-        rows = results[condition]
-        tok_s = statistics.median(r["tok_s"] for r in rows)
-        ratio = f"{tok_s / reference:.3f}" if reference else "-"
-        updates = statistics.median(r["updates_s"] for r in rows) if "updates_s" in rows[0] else None
-        events = statistics.median(r["events_s"] for r in rows) if "events_s" in rows[0] else None
-        each = ", ".join(f"{r['tok_s']:.1f}" for r in rows)
-        print(f"| {condition} | {tok_s:.1f} | {ratio} | {each} | "
-              f"{'-' if updates is None else f'{updates:.1f}'} | {'-' if events is None else f'{events:.1f}'} |")
+    print(table(results))
     if args.output:
         Path(args.output).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
     return 0
+
+
+def table(results: dict[str, list[dict[str, float]]]) -> str:
+    """Per condition: the median throughput, its ratio to nobody watching (medians), each round's ratio to the
+    "none" round run just before it (their median and range), and the page's or readers' update rates."""
+    none = results.get("none")
+    reference = statistics.median(r["tok_s"] for r in none) if none else None
+    lines = ["| condition | output tok/s (median) | vs none (medians) | vs none, round by round: median (range) | "
+             "rounds | page updates/s (median, range) | feed events/s per reader |", "|---|---|---|---|---|---|---|"]
+    for condition, rows in results.items():
+        tok_s = statistics.median(r["tok_s"] for r in rows)
+        ratio = f"{tok_s / reference:.3f}" if reference else "-"
+        paired = [r["tok_s"] / n["tok_s"] for r, n in zip(rows, none)] if none and condition != "none" else []
+        by_round = f"{statistics.median(paired):.3f} ({min(paired):.2f} to {max(paired):.2f})" if paired else "-"
+        updates = [r["updates_s"] for r in rows if "updates_s" in r]
+        events = [r["events_s"] for r in rows if "events_s" in r]
+        each = ", ".join(f"{r['tok_s']:.1f}" for r in rows)
+        page = f"{statistics.median(updates):.1f} ({min(updates):.1f} to {max(updates):.1f})" if updates else "-"
+        lines.append(f"| {condition} | {tok_s:.1f} | {ratio} | {by_round} | {each} | {page} | "
+                     f"{f'{statistics.median(events):.1f}' if events else '-'} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -190,6 +190,11 @@ def test_the_endpoint_streams_a_hello_then_states_while_requests_run_and_end(tin
             assert httpx.post(f"{base}/v1/completions", json=body, timeout=30).status_code == 200
             while not any(e["finished"] for e in events[1:]):
                 events.append(next_event())
+            streamed = {**body, "stream": True, "max_tokens": 6}  # its outputs hold one step's tokens each
+            with http.stream("POST", f"{base}/v1/completions", json=streamed) as response:
+                assert "data: [DONE]" in list(response.iter_lines())  # read to the end
+            while len([f for e in events[1:] for f in e["finished"]]) < 2:
+                events.append(next_event())
             long = {"model": "tiny", "prompt": "Hang up on me", "max_tokens": 200, "ignore_eos": True, "stream": True}
             with http.stream("POST", f"{base}/v1/completions", json=long) as hung_up:
                 next(line for line in hung_up.iter_lines() if line.startswith("data: "))  # one chunk, then leave
@@ -200,7 +205,9 @@ def test_the_endpoint_streams_a_hello_then_states_while_requests_run_and_end(tin
             protocol.EngineEvent.model_validate({"event": event})
         assert any(s["index"] == 1 for e in events[1:] for s in e["running"]), "both completions of n = 2 show"
         finished = [f for e in events[1:] for f in e["finished"]]
-        assert [f["reason"] for f in finished] == ["length", "abort"] and finished[0]["output_tokens"] == 16
+        assert [f["reason"] for f in finished] == ["length", "length", "abort"]
+        assert [f["output_tokens"] for f in finished[:2]] == [16, 12], "every completion's tokens, streamed or not"
+        assert all(f["arrival"] <= e["time"] for e in events[1:] for f in e["finished"] if f["arrival"] is not None)
         metrics = httpx.get(f"{base}/metrics").text
         assert "llm_runtime_engine_event_subscribers " in metrics
         deadline = time.time() + 10
@@ -270,3 +277,54 @@ def test_a_server_stops_with_an_event_stream_open(tiny_chat_model) -> None:
             received += reader.recv(65536)
     assert time.monotonic() - started < 20, "the open stream held the server's shutdown up"
     reader.close()
+
+
+def test_a_stop_signal_ends_the_event_streams_and_later_ones_at_once(tiny_chat_model) -> None:
+    import signal
+
+    import uvicorn
+
+    from llm_runtime.serving.server import Server
+
+    model, tokenizer = tiny_chat_model
+    app = create_app(LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=16)), "tiny")
+    feed = app.state.async_engine.feed
+    server = Server(uvicorn.Config(app), on_exit=feed.close)
+
+    async def scenario() -> None:
+        subscription = feed.subscribe()
+        server.handle_exit(signal.SIGTERM, None)  # as uvicorn's signal handler calls it
+        assert [event["type"] async for event in subscription] == ["hello"]  # the stream ends
+        assert server.should_exit and feed.subscribers == [] and not subscription.dropped
+        assert feed.subscribe().closed
+
+    asyncio.run(scenario())
+
+
+def test_a_step_that_runs_nothing_leaves_no_record(tiny_chat_model) -> None:
+    model, tokenizer = tiny_chat_model
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=16))
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=1))
+    engine.step()
+    assert engine.last_step is not None and engine.last_step.items[0][0] == "a"
+    engine.step()  # nothing left to run
+    assert engine.last_step is None
+
+
+def test_a_large_pools_block_states_come_less_often_than_the_events(tiny_chat_model) -> None:
+    model, tokenizer = tiny_chat_model
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=64))
+    feed = EngineFeed(engine, interval_s=0)
+    subscription = feed.subscribe()
+    feed.observe()  # the new subscriber's state: always whole
+    slow = feed.kv_states
+    feed.kv_states = lambda: (time.sleep(0.002), slow())[1]  # as a pool of about 200,000 blocks would take
+    for request_id, prompt, max_tokens in _requests(2, max_tokens=20):
+        engine.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        feed.observe(engine.step(), stepped=True)
+    states = _events(subscription)[1:]
+    built = [e["kv"] is not None for e in states]
+    assert built[0] and built[-1], "the first state and the idle one carry the pool"
+    assert 0 < sum(built[1:-1]) < len(built) - 2, "in between, only some do (once 50 build times passed)"
+

@@ -644,6 +644,7 @@ class LLMEngine:
         progressed (or failed). Raises EngineDeadError once the device itself failed (is_device_fault)."""
         if self.dead_reason is not None:
             raise EngineDeadError(f"the engine's device failed; create a new engine: {self.dead_reason!r}")
+        self.last_step = None  # (a step that schedules nothing leaves none)
         start = time.perf_counter()
         if self.proposer is not None:
             self._propose()

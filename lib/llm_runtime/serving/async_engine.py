@@ -300,12 +300,14 @@ class AsyncLLMEngine:
                 except Exception as error:  # the caller's to see, never the loop's end
                     future.set_exception(error)
         aborts, self._aborts = self._aborts, set()
+        queued = {r.request_id for r in self._new} | {r.request_id for r, _ in self._awaiting_kv}
         new, self._new = [r for r in self._new if r.request_id not in aborts], []
         new = self._with_their_kv(new, aborts)
         for request_id in aborts:
             stream = self._streams.pop(request_id, None)
             self.num_aborted += 1
-            self.feed.aborted(request_id)
+            if request_id in self.engine.requests or request_id in queued:  # (not one that finished meanwhile)
+                self.feed.aborted(request_id)
             self._transfers.pop(request_id, None)
             if self.kv_transfer is not None:
                 self.kv_transfer.forget(request_id)

@@ -2,18 +2,22 @@
 
 The async engine's loop calls `EngineFeed.observe` after every step and between steps, on the loop task while no
 step runs, so the feed reads the scheduler and the block manager when they are still; handlers only ever see the
-events it built. With no subscriber, `observe` returns at once: a server nobody watches pays nothing.
+events it built. With no subscriber, `observe` returns at once: a server nobody watches builds no event (the engine keeps its
+latest step's record, `LLMEngine.last_step`, whoever watches).
 
     subscription = feed.subscribe()        # a bounded queue; a hello event and the current state are first in it
     async for event in subscription:       # dicts; the server sends each as one server-sent event
         ...
 
-What an event holds (`protocol.EngineEvent` is its schema, and `GET /v1/engine/events` sends them):
+What an event holds (`GET /v1/engine/events` sends them):
 - `hello`, once per subscriber: the engine's shape (pool size, block size, token budget, speculation);
-- `state`, at most every `interval_s` (and when the engine goes idle): the steps run since the last one (per
+- `state`, at most every `interval_s` (besides one for each new subscriber and one when the engine goes idle): the
+  steps run since the last one (per
   request: prefill and decode tokens, drafts verified and kept), the running sequences with their block tables,
   the waiting ones (preempted or not), the requests that finished, one character per KV block (free, cached,
   in use, shared) and the engine's counters.
+
+Each server-sent event's `data` is an `EngineHello` or an `EngineState` (`protocol.py`), told apart by `type`.
 
 Batching the steps of one interval into one event keeps the feed's cost bounded by time, not by the step rate: a
 batch-1 decode at 250 steps a second still builds 30 events a second. Each subscriber has a queue of
@@ -24,6 +28,7 @@ waited for. A dropped page's EventSource reconnects and starts again from a fres
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -39,8 +44,11 @@ __all__ = ["BLOCK_STATES", "EngineFeed", "Subscription"]
 # One character per KV block: free (never used, or forgotten), cached (a prefix no request holds; evictable),
 # in use by one sequence, shared by several (prefix hits, forks).
 BLOCK_STATES = {"free": ".", "cached": "c", "used": "u", "shared": "s"}
-# bytes.translate's table: reference count 0, 1, 2 (2 or more) -> free, used, shared (the cached ones come after).
-_CODE_TABLE = b".us" + bytes(range(3, 256))
+# bytes.translate's table: reference count 0, 1, 2 or more -> free, used, shared (the cached ones come after).
+_CODE_TABLE = b".u" + b"s" * 254
+# A pool's block states cost time in proportion to its blocks (a GPU's pool can hold 100,000): an event carries them
+# only if they took less than 0.5 ms to build, or once this many build times have passed since the last ones.
+KV_COST_FACTOR = 50
 
 
 class Subscription:
@@ -67,6 +75,7 @@ class Subscription:
         return True
 
     def close(self) -> None:
+        """No more events: iteration ends once the queued ones are read."""
         self.closed = True
         self._ready.set()
 
@@ -90,22 +99,25 @@ class EngineFeed:
     """Builds the dashboard's events from the engine between steps and hands them to every subscriber."""
 
     def __init__(self, engine: LLMEngine, model_name: str = "", *, interval_s: float = 1 / 30,
-                 max_queued: int = 64) -> None:
+                 max_queued: int = 64, max_subscribers: int = 32) -> None:
         if interval_s < 0 or max_queued < 2:
             raise ValueError(f"interval_s must be >= 0 and max_queued >= 2, got {interval_s} and {max_queued}")
         self.engine = engine
         self.model_name = model_name
         self.interval_s = interval_s
         self.max_queued = max_queued
+        self.max_subscribers = max_subscribers  # beyond it the server answers 503
         self.origin = time.perf_counter()  # event times are seconds since this (the engine's clock)
         self.subscribers: list[Subscription] = []
         self.num_events = 0  # state events built
         self.num_dropped = 0  # subscribers dropped for not keeping up
-        self.num_aborted = 0
+        self.closed = False  # the server is stopping: every stream has ended, and new ones end at once
         self._steps: list[dict[str, Any]] = []  # steps since the last state event
         self._finished: list[dict[str, Any]] = []  # requests finished since the last state event
+        self._reasons: dict[str, dict[int, str]] = {}  # request -> completion index -> finish reason, as they come
         self._last_publish = float("-inf")
-        self._last_state: dict[str, Any] | None = None
+        self._kv_built, self._kv_cost = float("-inf"), 0.0  # when the block states were last built, and how long it took
+        self._encoded: tuple[dict[str, Any], str] | None = None  # the latest event and its JSON
         self._new_subscribers: list[Subscription] = []  # waiting for their first state, built by the loop
 
     # ------------------------------------------------------------------ subscribers (handlers call these)
@@ -113,6 +125,9 @@ class EngineFeed:
         """A new subscriber: its first events are a hello and the engine's state (built at the loop's next pass:
         the caller wakes the loop)."""
         subscription = Subscription(self.max_queued)
+        if self.closed:
+            subscription.close()
+            return subscription
         subscription.push(self.hello())
         self.subscribers.append(subscription)
         self._new_subscribers.append(subscription)
@@ -122,6 +137,12 @@ class EngineFeed:
         subscription.close()
         if subscription in self.subscribers:
             self.subscribers.remove(subscription)
+
+    def close(self) -> None:
+        """End every stream, and any opened from now on (the server is stopping: nothing must hold it up)."""
+        self.closed = True
+        for subscription in list(self.subscribers):
+            self.unsubscribe(subscription)
 
     @property
     def wants_state(self) -> bool:
@@ -147,14 +168,18 @@ class EngineFeed:
         """After a step (`stepped`, with its outputs) or between steps: record, and publish when it is time."""
         if not self.subscribers:  # (and nothing kept for a later subscriber: it starts from the state it finds)
             self._new_subscribers.clear()
-            self._steps, self._finished = [], []
+            self._steps, self._finished, self._reasons = [], [], {}
             return
         engine = self.engine
         if stepped and engine.last_step is not None:
             self._steps.append(self._step(engine))
         for output in outputs:
+            reasons = self._reasons.setdefault(output.request_id, {})
+            for completion in output.outputs:  # (a streamed request's output holds only what moved this step)
+                if completion.finish_reason is not None:
+                    reasons[completion.index] = completion.finish_reason
             if output.finished:
-                self._finished.append(self._finished_request(output))
+                self._finished.append(self._finished_request(output, self._reasons.pop(output.request_id)))
         now = time.perf_counter()
         idle = not engine.has_unfinished_requests()
         if self._new_subscribers or now - self._last_publish >= self.interval_s or (
@@ -164,12 +189,13 @@ class EngineFeed:
     def aborted(self, request_id: str) -> None:
         """A request left before it finished (its client went away)."""
         if self.subscribers:
-            self._finished.append({"id": request_id, "reason": "abort", "output_tokens": None, "ttft_ms": None,
-                                   "itl_ms": None})
+            self._reasons.pop(request_id, None)
+            self._finished.append({"id": request_id, "reason": "abort", "arrival": None, "output_tokens": None,
+                                   "ttft_ms": None, "itl_ms": None})
 
     def publish(self, event: dict[str, Any]) -> None:
         """Hand the event to every subscriber; drop those whose queue is full (never wait for one)."""
-        self._last_state, self._last_publish = event, time.perf_counter()
+        self._last_publish = time.perf_counter()
         self._new_subscribers.clear()
         for subscription in list(self.subscribers):
             if not subscription.push(event):
@@ -189,14 +215,16 @@ class EngineFeed:
         return {"step": record.index, "start": self._time(record.start), "duration_ms": round(record.duration * 1e3, 3),
                 "items": items, "preempted": [[request_id, index] for request_id, index in record.preempted]}
 
-    def _finished_request(self, output: RequestOutput) -> dict[str, Any]:
+    def _finished_request(self, output: RequestOutput, reasons: dict[int, str]) -> dict[str, Any]:
+        """A finished request, from its last output: the final one's metrics hold every completion's token times
+        (a streamed request's output holds only the tokens of its last step), `reasons` each completion's reason."""
         metrics = output.metrics
         ttft = None if metrics.first_token_time is None else metrics.first_token_time - metrics.arrival_time
-        times = metrics.token_times
-        itl = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
-        reasons = sorted({completion.finish_reason or "unknown" for completion in output.outputs})
-        return {"id": output.request_id, "reason": ",".join(reasons),
-                "output_tokens": sum(len(completion.token_ids) for completion in output.outputs),
+        times, n = metrics.token_times, max(1, len(reasons))
+        per_completion = len(times) / n  # n > 1: the completions' tokens interleave; ITL is one completion's
+        itl = (times[-1] - times[0]) / (per_completion - 1) if per_completion > 1 else None
+        return {"id": output.request_id, "reason": ",".join(sorted(set(reasons.values()))) or "unknown",
+                "arrival": self._time(metrics.arrival_time), "output_tokens": len(times),
                 "ttft_ms": None if ttft is None else round(ttft * 1e3, 2),
                 "itl_ms": None if itl is None else round(itl * 1e3, 2)}
 
@@ -214,13 +242,35 @@ class EngineFeed:
     def kv_states(self) -> str:
         """One character per block (BLOCK_STATES), from the reference counts and the prefix cache's parked list."""
         allocator = self.engine.block_manager.allocator
-        codes = bytearray(bytes(r if r < 2 else 2 for r in allocator.ref_counts).translate(_CODE_TABLE))
+        try:  # counts below 256 (all but a prefix shared by hundreds): one C loop, 1 ms for 100,000 blocks
+            refs = bytes(allocator.ref_counts)
+        except ValueError:
+            refs = bytes(min(r, 2) for r in allocator.ref_counts)
+        codes = bytearray(refs.translate(_CODE_TABLE))
         cached = ord(BLOCK_STATES["cached"])
         for block in allocator.prefix_cache.evictable:
             codes[block] = cached
         return codes.decode("ascii")
 
+    def _kv(self, now: float, full: bool) -> dict[str, Any] | None:
+        """The pool's block states, or None (unchanged, as far as the page knows) when building them every event would
+        cost more than 1/KV_COST_FACTOR of the time: a large pool's are sent less often."""
+        if not full and self._kv_cost >= 0.0005 and now - self._kv_built < KV_COST_FACTOR * self._kv_cost:
+            return None
+        start = time.perf_counter()
+        states = self.kv_states()
+        self._kv_built, self._kv_cost = start, time.perf_counter() - start
+        blocks = self.engine.block_manager
+        return {"num_blocks": blocks.num_total_blocks, "block_size": blocks.block_size, "states": states}
+
+    def encode(self, event: dict[str, Any]) -> str:
+        """An event as JSON, encoded once for all subscribers (they are handed the same event)."""
+        if self._encoded is None or self._encoded[0] is not event:
+            self._encoded = (event, json.dumps(event, separators=(",", ":")))
+        return self._encoded[1]
+
     def state(self, now: float) -> dict[str, Any]:
+        """A `state` event: the steps and finished requests gathered since the last one, and the engine as it is."""
         engine = self.engine
         scheduler, tables = engine.scheduler, engine.block_manager.block_tables
         stats = engine.stats()
@@ -230,7 +280,7 @@ class EngineFeed:
             "running": [self._sequence(seq, list(tables.get(seq, ()))) for seq in scheduler.running],
             "waiting": [self._sequence(seq, None) for seq in waiting],
             "finished": self._finished,
-            "kv": {"num_blocks": stats.num_total_blocks, "block_size": stats.block_size, "states": self.kv_states()},
+            "kv": self._kv(now, full=bool(self._new_subscribers) or not engine.has_unfinished_requests()),
             "counters": {
                 "steps": engine.profile.num_steps, "running": stats.num_running, "waiting": stats.num_waiting,
                 "free_blocks": stats.num_free_blocks, "cached_blocks": stats.num_cached_blocks,

@@ -290,10 +290,13 @@ class EngineSequence(_Event):
 
 class EngineFinished(_Event):
     id: str
-    reason: str  # "stop", "length", "abort", "error" (several completions: their reasons joined by commas)
-    output_tokens: int | None
+    # "stop", "length", "abort", "error" (several completions: their reasons joined by commas; "unknown" where the
+    # feed did not see a completion end, one that finished before this subscriber came)
+    reason: str
+    arrival: float | None = None  # None for an abort
+    output_tokens: int | None  # every completion's
     ttft_ms: float | None
-    itl_ms: float | None  # mean time between its tokens
+    itl_ms: float | None  # mean time between one completion's tokens
 
 
 class EngineKV(_Event):
@@ -312,12 +315,13 @@ class EngineState(_Event):
     running: list[EngineSequence]
     waiting: list[EngineSequence]
     finished: list[EngineFinished]
-    kv: EngineKV
+    kv: EngineKV | None  # None: not built this time (a large pool's states are sent less often; engine_events.py)
     counters: dict[str, int]
 
 
 class EngineEvent(BaseModel):
-    """One server-sent event of `GET /v1/engine/events`: its `data` is one of these."""
+    """One server-sent event of `GET /v1/engine/events`: its `data` is what `event` holds here, a hello or a state
+    (validate one with `EngineEvent.model_validate({"event": data})`)."""
 
     event: EngineHello | EngineState = Field(discriminator="type")
 

@@ -31,8 +31,10 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from types import FrameType
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -51,7 +53,7 @@ from ..sampling import SamplingParams
 from . import protocol
 from .async_engine import AsyncLLMEngine, RequestStream
 from .dashboard import STATIC_DIR
-from .engine_events import EngineFeed, Subscription
+from .engine_events import EngineFeed
 from .metrics import ServerMetrics
 from .responses import APIError, Formatter, OpenAIResponse
 from .tools import ChatConstraint, chat_constraint
@@ -59,9 +61,6 @@ from .tools import ChatConstraint, chat_constraint
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 2 * 2**20  # 2 MiB: hundreds of full-context prompts, not a denial of service
-# uvicorn waits for open responses before it stops, and an event stream never ends by itself: after this many
-# seconds of a shutdown it cancels them.
-GRACEFUL_SHUTDOWN_S = 3
 EVENTS_KEEPALIVE_S = 15.0  # an idle event stream sends a comment this often (a client that left is noticed)
 
 
@@ -251,8 +250,10 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
         the engine works. A subscriber that does not keep up is dropped (its stream ends; EventSource reconnects)."""
         if not async_engine.is_running:
             raise APIError(503, f"the engine loop stopped: {async_engine.error!r}", kind="server_error")
-        subscription = async_engine.subscribe_events()
-        return StreamingResponse(_event_stream(async_engine.feed, subscription), media_type="text/event-stream",
+        feed = async_engine.feed
+        if len(feed.subscribers) >= feed.max_subscribers:
+            raise APIError(503, f"{feed.max_subscribers} live views are open already; retry later", kind="server_busy")
+        return StreamingResponse(_event_stream(async_engine), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.get("/dashboard", response_class=FileResponse, responses={200: {
@@ -373,8 +374,11 @@ async def _until_done_or_gone(work: Awaitable[dict], request: Request, streams: 
     return None if working.cancelled() else working.result()
 
 
-async def _event_stream(feed: EngineFeed, subscription: Subscription) -> AsyncIterator[str]:
-    """A subscription as server-sent events (`event:` names the type); a comment when idle; unsubscribes at the end."""
+async def _event_stream(async_engine: AsyncLLMEngine) -> AsyncIterator[str]:
+    """A subscription as server-sent events (`event:` names the type); a comment when idle. It subscribes when the
+    response starts (a client gone before then leaves nothing behind) and unsubscribes at the end."""
+    feed = async_engine.feed
+    subscription = async_engine.subscribe_events()
     try:
         yield "retry: 1000\n\n"  # a dropped page's EventSource comes back after a second
         events = aiter(subscription)
@@ -386,7 +390,7 @@ async def _event_stream(feed: EngineFeed, subscription: Subscription) -> AsyncIt
                 continue
             except StopAsyncIteration:  # dropped for falling behind, or the engine stopped
                 return
-            yield f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+            yield f"event: {event['type']}\ndata: {feed.encode(event)}\n\n"
     finally:
         feed.unsubscribe(subscription)
 
@@ -409,11 +413,25 @@ def sse_events(events: AsyncIterator[dict]) -> AsyncIterator[str]:
     return encode()
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server, which ends the app's event streams as soon as it is told to stop. uvicorn lets every open
+    response finish before it stops, and an event stream never finishes by itself: it would hold a SIGTERM up for
+    as long as a page stays open. Completions in flight still finish."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        try:  # a signal handler runs between two bytecodes of the loop's thread: close on the loop, not here
+            asyncio.get_running_loop().call_soon_threadsafe(self.on_exit)
+        except RuntimeError:  # no loop running: nothing to interrupt
+            self.on_exit()
+        super().handle_exit(sig, frame)
+
+
 def serve(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           max_waiting_requests: int = 256, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
           step_executor: ThreadPoolExecutor | None = None, kv_transfer_config: KVTransferConfig | None = None) -> None:
-    import uvicorn
-
-    uvicorn.run(create_app(engine, model_name, max_waiting_requests, max_request_bytes, step_executor,
-                           kv_transfer_config), host=host, port=port, log_level="info",
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    app = create_app(engine, model_name, max_waiting_requests, max_request_bytes, step_executor, kv_transfer_config)
+    Server(uvicorn.Config(app, host=host, port=port, log_level="info"), on_exit=app.state.async_engine.feed.close).run()

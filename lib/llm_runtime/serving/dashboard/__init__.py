@@ -1,7 +1,7 @@
 """The live dashboard: a static page (`static/`) that the server sends at `/dashboard`, drawing `/v1/engine/events`.
 
-No build step and nothing fetched at run time: plain HTML, CSS and JavaScript drawing on canvases and SVG. The
-page needs no more than the events; `engine_events.py` says what they hold.
+No build step and nothing fetched at run time: plain HTML, CSS and JavaScript drawing on canvases. The page needs
+no more than the events; `engine_events.py` says what they hold.
 
 `headless_page` opens the page in a headless Chromium (Playwright driving the system's browser: Debian's
 `chromium` package; Playwright's own browser download is not needed) for the lesson's screenshot, the browser

@@ -39,12 +39,16 @@ view.colourOf = id => {
 };
 
 // -------------------------------------------------------------------------------- applying events
+// A request's entry; `arrival` (the engine's, when an event tells it) always wins over a first guess: a request
+// can run, or even finish, before the event that lists it as running arrives.
 function request(id, arrival) {
   let r = view.requests.get(id);
   if (!r) {
     r = {id, arrival: arrival ?? view.lastTime, segments: [], state: "queued", promptTokens: 0, outputTokens: 0,
          firstToken: null, end: null, reason: null, ttft: null, itl: null, blocks: 0};
     view.requests.set(id, r);
+  } else if (arrival !== undefined && arrival !== null) {
+    r.arrival = arrival;
   }
   return r;
 }
@@ -74,20 +78,26 @@ function applyState(e) {
   }
   if (view.steps.length > MAX_STEPS) view.steps.splice(0, view.steps.length - MAX_STEPS);
   const blocksOf = new Map();
+  // A request of n > 1 completions is one row: running while any of them runs, its tokens summed.
+  const outputTokens = new Map(), runningIds = new Set();
   for (const s of e.running) {
     const r = request(s.id, s.arrival);
-    r.state = "running"; r.promptTokens = s.prompt_tokens; r.outputTokens = s.output_tokens;
-    r.firstToken = s.first_token;
+    r.state = "running"; r.promptTokens = s.prompt_tokens; r.firstToken = s.first_token;
+    runningIds.add(s.id);
+    outputTokens.set(s.id, (outputTokens.get(s.id) || 0) + s.output_tokens);
     blocksOf.set(s.id, (blocksOf.get(s.id) || 0) + s.blocks.length);
   }
   for (const s of e.waiting) {
     const r = request(s.id, s.arrival);
     r.promptTokens = s.prompt_tokens;
+    outputTokens.set(s.id, (outputTokens.get(s.id) || 0) + s.output_tokens);
+    if (runningIds.has(s.id)) continue;  // a sibling still waits for its fork: the request runs
     if (s.preempted) { r.state = "preempted"; extend(r, "preempted", e.time, e.time); }
     else r.state = "queued";
   }
+  for (const [id, n] of outputTokens) view.requests.get(id).outputTokens = n;
   for (const f of e.finished) {
-    const r = request(f.id);
+    const r = request(f.id, f.arrival);
     r.state = f.reason === "abort" ? "aborted" : f.reason === "error" ? "failed" : "finished";
     r.end = e.time; r.reason = f.reason; r.ttft = f.ttft_ms; r.itl = f.itl_ms;
     if (f.output_tokens !== null) r.outputTokens = f.output_tokens;
@@ -96,7 +106,7 @@ function applyState(e) {
   // Owners: the first running sequence whose table holds the block.
   view.owners = new Map();
   for (const s of e.running) for (const b of s.blocks) if (!view.owners.has(b)) view.owners.set(b, s.id);
-  view.kv = e.kv;
+  if (e.kv) view.kv = e.kv;  // (a large pool's states come less often than the events)
   view.counters = e.counters;
   const done = [...view.requests.values()].filter(r => r.end !== null);
   for (const r of done.slice(0, Math.max(0, done.length - MAX_KEPT))) view.requests.delete(r.id);
@@ -155,7 +165,7 @@ function drawCounters() {  // in place: only the numbers' text changes
   const items = [["running", c.running], ["waiting", c.waiting], ["preemptions", c.preemptions],
     ["KV used", kv ? `${kv.num_blocks - c.free_blocks} / ${kv.num_blocks}` : "–"],
     ["prefix hits", c.prefix_queried_tokens ? `${(100 * c.prefix_hit_tokens / c.prefix_queried_tokens).toFixed(1)} %` : "–"],
-    ["steps", c.steps], ["steps/s", view.rates.steps.toFixed(1)], ["tokens/s", view.rates.tokens.toFixed(0)],
+    ["steps", c.steps], ["steps/s", view.rates.steps.toFixed(1)], ["tokens run/s", view.rates.tokens.toFixed(0)],
     ["last step", view.steps.length ? `${view.steps[view.steps.length - 1].ms.toFixed(1)} ms` : "–"],
     ["updates/s", view.rates.updates.toFixed(1)]];
   if (h && h.speculative) {
@@ -209,12 +219,14 @@ function drawBatch() {
   if (view.steps.length) ctx.fillText(`step ${view.steps[view.steps.length - 1].step}`, width - 60, height - 3);
 }
 
-// Where block `b` is drawn: the grid is as square as the canvas allows.
+// Where block `b` is drawn: the grid is as square as the canvas allows; a pool too large for cells of 2 pixels
+// makes the canvas taller.
 function kvGrid(width, height, n) {
   const cell = Math.max(2, Math.floor(Math.sqrt(width * height / n)));
   let size = cell;
   while (size > 2 && Math.floor(width / size) * Math.floor(height / size) < n) size--;
-  return {size, columns: Math.floor(width / size)};
+  const columns = Math.floor(width / size);
+  return {size, columns, height: Math.max(height, Math.ceil(n / columns) * size)};
 }
 view.kvCell = b => {  // the centre of block b on the KV canvas, in CSS pixels
   const canvas = document.getElementById("kv-canvas"), kv = view.kv;
@@ -228,8 +240,14 @@ let kvDrawn = null;
 function drawKV() {
   const kv = view.kv;
   if (!kv) return;
-  const [ctx, width, height, resized] = sizeCanvas(document.getElementById("kv-canvas"));
+  const canvas = document.getElementById("kv-canvas");
+  let [ctx, width, height, resized] = sizeCanvas(canvas);
   const g = kvGrid(width, height, kv.num_blocks), styles = getComputedStyle(document.documentElement);
+  if (g.height > height) {  // grow, once per pool shape
+    canvas.dataset.height = g.height;
+    canvas.style.height = `${g.height}px`;
+    [ctx, width, height, resized] = sizeCanvas(canvas);
+  }
   const fill = {".": styles.getPropertyValue("--free"), "c": styles.getPropertyValue("--cached")};
   const counts = {".": 0, "c": 0, "u": 0, "s": 0};
   const gap = g.size > 4 ? 1 : 0, mark = Math.max(1, Math.floor(g.size / 3));
@@ -312,9 +330,11 @@ function connect() {
   const params = new URLSearchParams(location.search);
   const source = new EventSource(params.get("events") || "/v1/engine/events");
   const status = document.getElementById("connection");
-  source.addEventListener("hello", message => {
+  source.addEventListener("hello", message => {  // (again after a reconnect: the server may be another one)
     const hello = JSON.parse(message.data);
-    view.hello = hello; view.steps = []; view.requests = new Map();
+    view.hello = hello; view.steps = []; view.requests = new Map(); view.owners = new Map();
+    view.kv = null; view.counters = {}; view.lastTime = hello.time; kvDrawn = null;
+    previous = {time: performance.now(), steps: 0, updates: view.updates, tokens: tokensSeen};
     document.getElementById("model").textContent =
       `${hello.model} · ${hello.device} · ${hello.num_blocks} KV blocks · budget ${hello.max_num_batched_tokens} tokens` +
       (hello.speculative ? ` · speculative (${hello.speculative.method}, k = ${hello.speculative.num_speculative_tokens})` : "");
@@ -326,6 +346,12 @@ function connect() {
     for (const step of e.steps) for (const item of step.items) tokensSeen += item[2] + item[3];
     applyState(e);
   });
-  source.onerror = () => { status.dataset.state = "reconnecting"; status.textContent = "reconnecting"; };
+  source.onerror = () => {
+    status.dataset.state = "reconnecting"; status.textContent = "reconnecting";
+    if (source.readyState === EventSource.CLOSED) {  // an error answer (503): EventSource gives up; we do not
+      source.close();
+      setTimeout(connect, 2000);
+    }
+  };
 }
 connect();
