@@ -5,10 +5,16 @@ requires), joins them in one process group over loopback, calls `fn(tp, *args)` 
 `TensorParallelGroup`, and returns what every rank returned, in rank order. A rank that raises fails the call with
 its traceback; one that dies or hangs fails it at `timeout_s`; no process outlives the call. The tests and lesson
 17 use it to run sharded models; `fn` must be importable (a module-level function), as spawn pickles it by name.
+
+A rank sends its value back as bytes (`torch.save`), and tensors in it come back on the CPU. Put on the queue as
+they are, tensors would travel as shared-memory file descriptors that the caller fetches from the rank's process
+when it unpickles them; a rank that had already exited by then (it returns, then ends) failed the call with
+`FileNotFoundError`, as CI saw once on 2 busy cores.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
@@ -40,7 +46,9 @@ def _rank_main(rank: int, size: int, port: int, device: str, fn: Callable[..., A
     try:
         rank_device = f"cuda:{rank}" if device == "cuda" else device
         tp = init_tensor_parallel(rank, size, rank_device, "127.0.0.1", port)
-        results.put((rank, True, fn(tp, *args)))
+        payload = io.BytesIO()
+        torch.save(fn(tp, *args), payload)  # bytes: nothing for the caller to fetch from this process later
+        results.put((rank, True, payload.getvalue()))
     except BaseException:  # reported to the caller, who raises it
         results.put((rank, False, traceback.format_exc()))
 
@@ -48,7 +56,7 @@ def _rank_main(rank: int, size: int, port: int, device: str, fn: Callable[..., A
 def run_on_ranks(fn: Callable[..., Any], size: int, *args: Any, device: str = "cpu", timeout_s: float = 300.0
                  ) -> list[Any]:
     """`fn(tp, *args)` on each of `size` new ranks (gloo on "cpu", NCCL with one GPU each on "cuda"); the
-    values they return, in rank order (module docstring)."""
+    values they return, in rank order, tensors on the CPU (module docstring)."""
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
@@ -73,7 +81,7 @@ def run_on_ranks(fn: Callable[..., Any], size: int, *args: Any, device: str = "c
                 continue
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            values[rank] = value
+            values[rank] = torch.load(io.BytesIO(value), map_location="cpu", weights_only=False)
     finally:
         for process in processes:
             process.join(timeout=5 if len(values) == size else 0.1)

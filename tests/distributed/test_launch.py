@@ -1,0 +1,33 @@
+"""`run_on_ranks` (distributed/launch.py): what ranks return reaches the caller whole, even when a rank ends the
+moment it has returned, and a rank that raises fails the call with its traceback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llm_runtime.distributed.group import TensorParallelGroup
+from llm_runtime.distributed.launch import run_on_ranks
+
+
+def _many_tensors(tp: TensorParallelGroup) -> list[torch.Tensor]:
+    return [torch.full((3,), float(i + tp.rank)) for i in range(2000)]
+
+
+def _raises(tp: TensorParallelGroup) -> None:
+    if tp.rank == 1:
+        raise ValueError("rank 1 says no")
+
+
+def test_tensors_arrive_whole_from_ranks_that_end_at_once() -> None:
+    # Sent as shared-memory file descriptors, 2,000 tensors took longer to fetch than the rank took to exit:
+    # FileNotFoundError on every run. Sent as bytes, they arrive whole and in ordinary memory.
+    values = run_on_ranks(_many_tensors, 2)
+    for rank, tensors in enumerate(values):
+        assert len(tensors) == 2000 and not tensors[7].is_shared()
+        assert torch.equal(torch.stack(tensors)[:, 0], torch.arange(2000, dtype=torch.float32) + rank)
+
+
+def test_a_rank_that_raises_fails_the_call_with_its_traceback() -> None:
+    with pytest.raises(RuntimeError, match="rank 1 failed:(.|\n)*rank 1 says no"):
+        run_on_ranks(_raises, 2)
