@@ -20,16 +20,15 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+from llm_runtime.lessons.disaggregation import ServerProcess
+
 CONDITIONS = ("none", "feed", "page")
 
 
@@ -95,23 +94,6 @@ async def _round(condition: str, base: str, args: argparse.Namespace) -> dict[st
             "draws_s": (after[1] - before[1]) / seconds, "draw_ms": (after[2] - before[2]) / max(1, after[1] - before[1])}
 
 
-def _start_server(port: int, args: argparse.Namespace) -> subprocess.Popen:
-    command = [sys.executable, "-m", "llm_runtime", "serve", "--port", str(port), "--served-model-name", "served",
-               "--dtype", args.dtype, *args.server_args]
-    server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited: {server.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("the server did not start")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3, help="rounds per condition")
@@ -120,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--subscribers", type=int, default=4, help="raw readers in the feed condition")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--conditions", default=",".join(CONDITIONS))
     parser.add_argument("--output", default=None, help="also write the results as JSON there")
     parser.add_argument("--table", default=None, metavar="JSON", help="only print the table of an --output file")
@@ -130,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         print(table(json.loads(Path(args.table).read_text())["results"]))
         return 0
     conditions = args.conditions.split(",")
-    base = f"http://127.0.0.1:{args.port}"
-    server = _start_server(args.port, args)
+    server = ServerProcess.serve(["--served-model-name", "served", "--dtype", args.dtype, *args.server_args],
+                                 timeout_s=600)
+    base = server.url
     results: dict[str, list[dict[str, float]]] = {c: [] for c in conditions}
     try:
         asyncio.run(_load(base, 4, 1, 8))  # warm-up
@@ -142,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {r + 1} {condition:>4}: " + ", ".join(f"{k} {v:.1f}" for k, v in result.items()),
                       flush=True)
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=60)
+        server.stop()
     print(f"\n{args.clients} streams x {args.requests_per_client} x {args.max_tokens} tokens, {args.rounds} rounds, "
           f"dtype {args.dtype}, {os.cpu_count()} CPUs")
     print(table(results))

@@ -1,7 +1,7 @@
 """Batch invariance (model/batch_invariant.py, lesson 16), in bfloat16 on the CPU, compared bit for bit.
 
 With `batch_invariant=True` a request's greedy tokens and the logprobs of each are the same alone and inside a
-busy batch of 24, whatever else the batch holds and however it runs: prompts chunked across steps beside decodes,
+busy batch of 24 (8 of them checked), whatever else the batch holds and however it runs: prompts chunked across steps beside decodes,
 prefill chunks and decodes in one step, prefix-cache hits, speculation, a smaller decode batch. Seeded sampling
 gives the same tokens too, and the logprobs a scoring pass computes over prompt + completion (prompt_logprobs:
 every token in a prefill chunk) equal the ones generation reported one decode step at a time. The default mode,
@@ -26,7 +26,7 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn.", "N
              "How do planes fly?", "Name a planet.", "What is the largest ocean?", "Say hello in Spanish.",
              "Count to five.", "What colour is grass?", "Give me a word that rhymes with cat.",
              "What is rain?", "Describe the moon."]
-SUBJECTS = len(QUESTIONS)  # every request is run alone too
+SUBJECTS = 8  # the requests also run alone, each through an engine of its own, and compared
 DEFAULT_SUBJECTS = 6  # the default mode's comparison needs only some
 KV = 256 << 20
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}

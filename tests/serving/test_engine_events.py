@@ -223,6 +223,28 @@ def engine_subscribers(base: str) -> float:
     raise AssertionError("no subscriber gauge")
 
 
+def test_views_beyond_the_limit_get_503_and_a_freed_place_is_taken_again(tiny_chat_model) -> None:
+    model, tokenizer = tiny_chat_model
+    app = create_app(LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=16)), "tiny")
+    app.state.async_engine.feed.max_subscribers = 1
+    with running(app) as base, httpx.Client(timeout=30) as http:
+        def first_event(stream) -> dict:  # (subscribed once its hello has come; read with one iterator, kept open)
+            stream.lines = stream.iter_lines()
+            return next(json.loads(line[len("data: "):]) for line in stream.lines if line.startswith("data: "))
+
+        with http.stream("GET", f"{base}/v1/engine/events") as first:
+            assert first_event(first)["type"] == "hello"
+            with http.stream("GET", f"{base}/v1/engine/events") as refused:
+                assert refused.status_code == 503  # an error answer, not a stream: nothing to read forever
+                assert "1 live views are open already" in json.loads(refused.read())["error"]["message"]
+        deadline = time.time() + 10
+        while engine_subscribers(base) != 0:  # the first view left: its place is free
+            assert time.time() < deadline
+            time.sleep(0.05)
+        with http.stream("GET", f"{base}/v1/engine/events") as again:
+            assert again.status_code == 200 and first_event(again)["type"] == "hello"
+
+
 def test_a_stuck_connection_is_dropped_and_requests_get_the_same_tokens(tiny_chat_model) -> None:
     model, tokenizer = tiny_chat_model
     config = EngineConfig(num_kv_blocks=4096, max_num_seqs=8)  # 4 KB of block states an event: buffers fill fast

@@ -118,7 +118,7 @@ class EngineFeed:
         self._last_publish = float("-inf")
         self._kv_built, self._kv_cost = float("-inf"), 0.0  # when the block states were last built, and how long it took
         self._encoded: tuple[dict[str, Any], str] | None = None  # the latest event and its JSON
-        self._new_subscribers: list[Subscription] = []  # waiting for their first state, built by the loop
+        self._awaiting_state = False  # a new subscriber waits for its first state, which the loop builds
 
     # ------------------------------------------------------------------ subscribers (handlers call these)
     def subscribe(self) -> Subscription:
@@ -130,7 +130,7 @@ class EngineFeed:
             return subscription
         subscription.push(self.hello())
         self.subscribers.append(subscription)
-        self._new_subscribers.append(subscription)
+        self._awaiting_state = True
         return subscription
 
     def unsubscribe(self, subscription: Subscription) -> None:
@@ -147,7 +147,7 @@ class EngineFeed:
     @property
     def wants_state(self) -> bool:
         """A subscriber waits for its first state: the loop should build one even when the engine is idle."""
-        return bool(self._new_subscribers)
+        return self._awaiting_state
 
     def hello(self) -> dict[str, Any]:
         """What stays fixed for the engine's life (no live state: the pool's shape and the engine's limits)."""
@@ -167,7 +167,7 @@ class EngineFeed:
     def observe(self, outputs: Iterable[RequestOutput] = (), stepped: bool = False) -> None:
         """After a step (`stepped`, with its outputs) or between steps: record, and publish when it is time."""
         if not self.subscribers:  # (and nothing kept for a later subscriber: it starts from the state it finds)
-            self._new_subscribers.clear()
+            self._awaiting_state = False
             self._steps, self._finished, self._reasons = [], [], {}
             return
         engine = self.engine
@@ -182,7 +182,7 @@ class EngineFeed:
                 self._finished.append(self._finished_request(output, self._reasons.pop(output.request_id)))
         now = time.perf_counter()
         idle = not engine.has_unfinished_requests()
-        if self._new_subscribers or now - self._last_publish >= self.interval_s or (
+        if self._awaiting_state or now - self._last_publish >= self.interval_s or (
                 idle and (self._steps or self._finished)):
             self.publish(self.state(now))
 
@@ -196,7 +196,7 @@ class EngineFeed:
     def publish(self, event: dict[str, Any]) -> None:
         """Hand the event to every subscriber; drop those whose queue is full (never wait for one)."""
         self._last_publish = time.perf_counter()
-        self._new_subscribers.clear()
+        self._awaiting_state = False
         for subscription in list(self.subscribers):
             if not subscription.push(event):
                 self.subscribers.remove(subscription)
@@ -280,7 +280,7 @@ class EngineFeed:
             "running": [self._sequence(seq, list(tables.get(seq, ()))) for seq in scheduler.running],
             "waiting": [self._sequence(seq, None) for seq in waiting],
             "finished": self._finished,
-            "kv": self._kv(now, full=bool(self._new_subscribers) or not engine.has_unfinished_requests()),
+            "kv": self._kv(now, full=self._awaiting_state or not engine.has_unfinished_requests()),
             "counters": {
                 "steps": engine.profile.num_steps, "running": stats.num_running, "waiting": stats.num_waiting,
                 "free_blocks": stats.num_free_blocks, "cached_blocks": stats.num_cached_blocks,

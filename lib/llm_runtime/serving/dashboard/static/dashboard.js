@@ -13,6 +13,7 @@ const view = {
   updates: 0, draws: 0, drawMs: 0, errors: 0, frameMs: Number(new URLSearchParams(location.search).get("frame_ms") || 0), lastTime: 0, rates: {steps: 0, tokens: 0, updates: 0},
 };
 window.dashboard = view;
+let tokensSeen = 0;  // tokens run in the steps applied so far (for the tokens-run-per-second counter)
 
 // -------------------------------------------------------------------------------- colours
 function hash(text) {
@@ -75,6 +76,7 @@ function applyState(e) {
       extend(r, "preempted", step.start, step.start);
     }
     view.steps.push({step: step.step, start: step.start, ms: step.duration_ms, prefill, decode, proposed, kept});
+    tokensSeen += prefill + decode;
   }
   if (view.steps.length > MAX_STEPS) view.steps.splice(0, view.steps.length - MAX_STEPS);
   const blocksOf = new Map();
@@ -316,7 +318,6 @@ function drawTimeline() {
 
 // -------------------------------------------------------------------------------- rates and the connection
 let previous = {time: performance.now(), steps: 0, updates: 0, tokens: 0};
-let tokensSeen = 0;
 setInterval(() => {
   const now = performance.now(), dt = (now - previous.time) / 1000;
   const steps = view.counters.steps || 0;
@@ -342,9 +343,7 @@ function connect() {
     status.dataset.state = "live"; status.textContent = "live";
   });
   source.addEventListener("state", message => {
-    const e = JSON.parse(message.data);
-    for (const step of e.steps) for (const item of step.items) tokensSeen += item[2] + item[3];
-    applyState(e);
+    applyState(JSON.parse(message.data));
   });
   source.onerror = () => {
     status.dataset.state = "reconnecting"; status.textContent = "reconnecting";
