@@ -3,7 +3,7 @@ subscribers on `/v1/engine/events`, and with the dashboard open in a headless Ch
 updates meanwhile.
 
     .venv/bin/python scripts/dashboard_benchmark.py                   # 3 rounds per condition, interleaved
-    .venv/bin/python scripts/dashboard_benchmark.py --rounds 5 --dtype bfloat16
+    .venv/bin/python scripts/dashboard_benchmark.py --rounds 6 --dtype bfloat16 --server-cores 0
 
 One server process (`llm_runtime serve`, the bundled model) serves every round. A round is 32 clients, each
 streaming `--requests-per-client` completions of `--max-tokens` tokens one after another (greedy, EOS ignored), so
@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3, help="rounds per condition")
     parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--requests-per-client", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--requests-per-client", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--subscribers", type=int, default=4, help="raw readers in the feed condition")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--conditions", default=",".join(CONDITIONS))

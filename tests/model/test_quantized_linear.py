@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from llm_runtime import LLM, SamplingParams, generate, load_model
-from llm_runtime.model.gguf import dequantize_q4_1, gguf_linear_blocks, q4_1_blocks, q8_0_blocks
+from llm_runtime.model.gguf import dequantize_q4_1, gguf_linear_blocks, q4_1_blocks, q8_0_blocks, read_gguf_tensors
 from llm_runtime.model.bundled import find_bundled_gguf
 from llm_runtime.model.quantized_embedding import SMALL_M, Q8Embedding, Q8Head, Q8Table
 from llm_runtime.engine.kv_budget import tensor_bytes
@@ -167,12 +167,36 @@ def test_the_gguf_blocks_are_the_converted_checkpoints_weights_exactly(bundled) 
     assert len(blocks) == 7 * model.config.num_layers
     for name in ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.29.mlp.down_proj"):
         assert torch.equal(dequantize_q4_1(*blocks[name]), state[f"{name}.weight"]), name
-    from gguf import GGUFReader
-
-    embedding = next(t for t in GGUFReader(str(find_bundled_gguf())).tensors if t.name == "token_embd.weight")
-    q, d = q8_0_blocks(np.asarray(embedding.data))
+    embedding = read_gguf_tensors(find_bundled_gguf(), {"token_embd.weight"})["token_embd.weight"]
+    q, d = q8_0_blocks(embedding.data)
     deq = (q.reshape(q.shape[0], -1, 32).float() * d[..., None]).reshape(q.shape[0], -1)
     assert torch.equal(deq, state["model.embed_tokens.weight"])
+
+
+def test_the_files_tensors_are_read_as_the_gguf_package_reads_them(tmp_path) -> None:
+    """read_gguf_tensors steps over the metadata by lengths alone; every tensor of the bundled file (name, type,
+    shape, bytes) is what the `gguf` package's reader, which decodes all of it, finds. A file that is not GGUF,
+    or is cut short, is refused."""
+    from gguf import GGUFReader
+
+    path = find_bundled_gguf()
+    ours = read_gguf_tensors(path)
+    theirs = GGUFReader(str(path)).tensors
+    assert len(ours) == len(theirs) == 272 and {t.tensor_type.name for t in theirs} == {"F32", "Q4_1", "Q8_0"}
+    for tensor in theirs:
+        mine = ours[tensor.name]
+        assert mine.type_name == tensor.tensor_type.name and mine.shape == tuple(reversed(tensor.shape.tolist()))
+        assert mine.data.dtype == tensor.data.dtype and np.array_equal(mine.data, tensor.data), tensor.name
+    assert list(read_gguf_tensors(path, {"output_norm.weight"})) == ["output_norm.weight"]
+    (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_gguf_tensors(tmp_path / "not.gguf")
+    (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:100_000])
+    with pytest.raises(ValueError, match="cut short"):
+        read_gguf_tensors(tmp_path / "cut.gguf")
+    (tmp_path / "cut_early.gguf").write_bytes(path.read_bytes()[:5_000])  # inside the tokenizer's strings
+    with pytest.raises(ValueError, match="cut short"):
+        read_gguf_tensors(tmp_path / "cut_early.gguf")
 
 
 def test_the_native_4_bit_model_has_the_dequantized_models_logits(bundled) -> None:

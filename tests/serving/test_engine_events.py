@@ -161,6 +161,15 @@ def test_a_subscriber_that_stops_reading_is_dropped_and_the_others_go_on(tiny_ch
     assert feed.subscribers == []
 
 
+def test_the_feed_holds_at_most_max_subscribers_even_when_views_race_past_the_servers_check(tiny_chat_model) -> None:
+    model, tokenizer = tiny_chat_model
+    feed = EngineFeed(LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=16)), max_subscribers=2)
+    first, second, third = feed.subscribe(), feed.subscribe(), feed.subscribe()
+    assert feed.subscribers == [first, second] and third.closed and third.num_queued == 0  # its stream ends at once
+    feed.unsubscribe(first)
+    assert not feed.subscribe().closed and len(feed.subscribers) == 2  # a freed place is taken again
+
+
 def test_states_are_batched_by_time_not_by_step(tiny_chat_model) -> None:
     model, tokenizer = tiny_chat_model
     engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=64))

@@ -2,8 +2,8 @@
 
 The async engine's loop calls `EngineFeed.observe` after every step and between steps, on the loop task while no
 step runs, so the feed reads the scheduler and the block manager when they are still; handlers only ever see the
-events it built. With no subscriber, `observe` returns at once: a server nobody watches builds no event (the engine keeps its
-latest step's record, `LLMEngine.last_step`, whoever watches).
+events it built. With no subscriber, `observe` returns at once: a server nobody watches builds no event (the engine
+keeps its latest step's record, `LLMEngine.last_step`, whoever watches).
 
     subscription = feed.subscribe()        # a bounded queue; a hello event and the current state are first in it
     async for event in subscription:       # dicts; the server sends each as one server-sent event
@@ -12,17 +12,17 @@ latest step's record, `LLMEngine.last_step`, whoever watches).
 What an event holds (`GET /v1/engine/events` sends them):
 - `hello`, once per subscriber: the engine's shape (pool size, block size, token budget, speculation);
 - `state`, at most every `interval_s` (besides one for each new subscriber and one when the engine goes idle): the
-  steps run since the last one (per
-  request: prefill and decode tokens, drafts verified and kept), the running sequences with their block tables,
-  the waiting ones (preempted or not), the requests that finished, one character per KV block (free, cached,
-  in use, shared) and the engine's counters.
+  steps run since the last one (per request: prefill and decode tokens, drafts verified and kept), the running
+  sequences with their block tables, the waiting ones (preempted or not), the requests that finished, one character
+  per KV block (free, cached, in use, shared) and the engine's counters.
 
 Each server-sent event's `data` is an `EngineHello` or an `EngineState` (`protocol.py`), told apart by `type`.
 
 Batching the steps of one interval into one event keeps the feed's cost bounded by time, not by the step rate: a
 batch-1 decode at 250 steps a second still builds 30 events a second. Each subscriber has a queue of
 `max_queued` events; one whose queue is full (a page that stopped reading, a stuck connection) is dropped, never
-waited for. A dropped page's EventSource reconnects and starts again from a fresh hello and state.
+waited for. A dropped page's EventSource reconnects and starts again from a fresh hello and state. At most
+`max_subscribers` are held at once: one more gets a stream that ends at once (the server answers 503 first).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class EngineFeed:
         self._finished: list[dict[str, Any]] = []  # requests finished since the last state event
         self._reasons: dict[str, dict[int, str]] = {}  # request -> completion index -> finish reason, as they come
         self._last_publish = float("-inf")
-        self._kv_built, self._kv_cost = float("-inf"), 0.0  # when the block states were last built, and how long it took
+        self._kv_built, self._kv_cost = float("-inf"), 0.0  # when the block states were last built, how long it took
         self._encoded: tuple[dict[str, Any], str] | None = None  # the latest event and its JSON
         self._awaiting_state = False  # a new subscriber waits for its first state, which the loop builds
 
@@ -125,8 +125,8 @@ class EngineFeed:
         """A new subscriber: its first events are a hello and the engine's state (built at the loop's next pass:
         the caller wakes the loop)."""
         subscription = Subscription(self.max_queued)
-        if self.closed:
-            subscription.close()
+        if self.closed or len(self.subscribers) >= self.max_subscribers:  # (the server answers 503 before this,
+            subscription.close()  # but views that raced past its check together are held to the limit here)
             return subscription
         subscription.push(self.hello())
         self.subscribers.append(subscription)
