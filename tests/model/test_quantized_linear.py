@@ -5,6 +5,7 @@ loaded exactly."""
 from __future__ import annotations
 
 import copy
+import struct
 
 import numpy as np
 import pytest
@@ -12,7 +13,8 @@ import torch
 from torch import nn
 
 from llm_runtime import LLM, SamplingParams, generate, load_model
-from llm_runtime.model.gguf import dequantize_q4_1, gguf_linear_blocks, q4_1_blocks, q8_0_blocks, read_gguf_tensors
+from llm_runtime.model.gguf import (Q8_0_BLOCK_BYTES, dequantize_q4_1, gguf_linear_blocks, q4_1_blocks, q8_0_blocks,
+                                   read_gguf_tensors)
 from llm_runtime.model.bundled import find_bundled_gguf
 from llm_runtime.model.quantized_embedding import SMALL_M, Q8Embedding, Q8Head, Q8Table
 from llm_runtime.engine.kv_budget import tensor_bytes
@@ -191,12 +193,68 @@ def test_the_files_tensors_are_read_as_the_gguf_package_reads_them(tmp_path) -> 
     (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(60))
     with pytest.raises(ValueError, match="not a GGUF file"):
         read_gguf_tensors(tmp_path / "not.gguf")
-    (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:100_000])
-    with pytest.raises(ValueError, match="cut short"):
-        read_gguf_tensors(tmp_path / "cut.gguf")
-    (tmp_path / "cut_early.gguf").write_bytes(path.read_bytes()[:5_000])  # inside the tokenizer's strings
-    with pytest.raises(ValueError, match="cut short"):
-        read_gguf_tensors(tmp_path / "cut_early.gguf")
+    for size, match in ((5_000, "cut short"), (1_000_000, "cut short"), (50_000_000, "ends at byte")):
+        (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:size])  # in the tokenizer's strings; in the tensors
+        with pytest.raises(ValueError, match=match):
+            read_gguf_tensors(tmp_path / "cut.gguf")
+
+
+def _small_gguf(path, alignment: int | None = None, nested: bool = False):
+    """A GGUF file written by the `gguf` package: an F16 matrix, an F32 vector, a Q8_0 matrix (raw blocks), some
+    metadata (a string array, nested arrays when asked), and `general.alignment` when given."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
+    writer.add_array("test.words", ["a", "bb", "ccc"])
+    if nested:
+        writer.add_array("test.nested", [[1, 2], [3]])
+    half = np.arange(12, dtype=np.float16).reshape(3, 4)
+    vector = np.linspace(-1, 1, 5, dtype=np.float32)
+    blocks = np.random.default_rng(0).integers(0, 256, size=(2, 2 * Q8_0_BLOCK_BYTES), dtype=np.uint8)
+    writer.add_tensor("half", half)
+    writer.add_tensor("vector", vector)
+    writer.add_tensor("q8", blocks, raw_dtype=GGMLQuantizationType.Q8_0)  # (2, 68) bytes: 2 rows of 64
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return half, vector, blocks
+
+
+@pytest.mark.parametrize("alignment", [None, 64, 256])
+def test_a_written_files_tensors_are_found_at_its_alignment(tmp_path, alignment) -> None:
+    """Float tensors come back as their values, block tensors as their bytes, wherever the file's alignment puts
+    them (the bundled file has neither an F16 tensor nor an alignment of its own)."""
+    path = tmp_path / "small.gguf"
+    half, vector, blocks = _small_gguf(path, alignment, nested=alignment == 256)
+    tensors = read_gguf_tensors(path)
+    assert tensors["half"].type_name == "F16" and np.array_equal(tensors["half"].data, half)
+    assert tensors["vector"].shape == (5,) and np.array_equal(tensors["vector"].data, vector)
+    assert tensors["q8"].type_name == "Q8_0" and tensors["q8"].shape == (2, 64)
+    assert np.array_equal(tensors["q8"].data, blocks)
+
+
+def test_a_malformed_gguf_is_refused_with_a_reason(tmp_path) -> None:
+    path = tmp_path / "small.gguf"
+    _small_gguf(path, 64)
+    good = path.read_bytes()
+    header = struct.calcsize("<4sIQQ")
+
+    def refused(data: bytes, match: str) -> None:
+        (tmp_path / "bad.gguf").write_bytes(data)
+        with pytest.raises(ValueError, match=match):
+            read_gguf_tensors(tmp_path / "bad.gguf")
+
+    refused(b"GGML" + good[4:], "not a GGUF file")
+    refused(good[:4] + struct.pack("<I", 1) + good[8:], "version 1")
+    refused(good[:header] + struct.pack("<Q", 2**62) + good[header + 8 :], "cut short")  # the first key's length
+    refused(good[:-100], "ends at byte")  # into the last tensor's bytes (past the padding after it)
+    at = good.index(b"general.alignment") + len(b"general.alignment") + 4  # its value, after its type
+    refused(good[:at] + struct.pack("<I", 48) + good[at + 4 :], "power of two")
+    at = good.index(b"test.words") + len(b"test.words") + 4  # the array's item type, then its count
+    refused(good[:at + 4] + struct.pack("<Q", 2**60) + good[at + 12 :], "cut short")
 
 
 def test_the_native_4_bit_model_has_the_dequantized_models_logits(bundled) -> None:

@@ -85,6 +85,7 @@ class EngineStats:
     num_failed_requests: int = 0  # requests a failed step finished with an error
     num_waiting_requests: int = 0  # requests none of whose sequences runs (what a server's back-pressure counts)
     attention_backend: str = ""  # the attention backend's name (lesson 11)
+    # How the engine set the model up when it was built (a later engine on the same model may set it up again):
     prepacked_weights: bool = False  # the model's linear layers run on oneDNN-packed weights (prepack_weights)
     pointwise_ops: str = "eager"  # "compiled" when the layers' pointwise parts run through torch.compile
     cuda_graph_sizes: tuple[int, ...] = ()  # the batch sizes captured as CUDA graphs (none: every step eager)

@@ -26,6 +26,7 @@ package's reader, which decodes every string of the metadata into Python objects
 
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
 from typing import NamedTuple
@@ -65,80 +66,101 @@ class GGUFTensor(NamedTuple):
 
 def read_gguf_tensors(path: str | Path, names: set[str] | None = None) -> dict[str, GGUFTensor]:
     """The file's tensors (those in `names`, or all), mapped from the file, not copied (GGUF version 2 or 3,
-    little-endian). Raises ValueError for anything else, a file cut short, or a tensor of a type `GGML_TYPES`
-    does not hold."""
+    little-endian). Raises ValueError for anything else: a file cut short or malformed, or a tensor of a type
+    `GGML_TYPES` does not hold."""
+    buffer = np.memmap(path, dtype=np.uint8, mode="r")
+    file = _Cursor(memoryview(buffer), str(path))
     try:
-        return _read_gguf_tensors(path, names)
-    except struct.error as error:  # a length or a count ran past the end of the file
+        return _read_tensors(file, buffer, names)
+    except struct.error as error:  # a value ran past the end of the file
         raise ValueError(f"{path} is cut short: {error}") from error
 
 
-def _read_gguf_tensors(path: str | Path, names: set[str] | None) -> dict[str, GGUFTensor]:
-    buffer = np.memmap(path, dtype=np.uint8, mode="r")
-    view = memoryview(buffer)
-    if bytes(view[:4]) != b"GGUF":
-        raise ValueError(f"{path} is not a GGUF file")
-    version, num_tensors, num_fields = struct.unpack_from("<IQQ", view, 4)
-    if version not in (2, 3):
-        raise ValueError(f"{path}: GGUF version {version} (big-endian, or not 2 or 3) is not read here")
-    position = 4 + struct.calcsize("<IQQ")
+class _Cursor:
+    """Little-endian values read one after another from the file's bytes; never a step past its end."""
 
-    def string() -> str:
-        nonlocal position
-        (length,) = struct.unpack_from("<Q", view, position)
-        position += 8 + length
-        return bytes(view[position - length : position]).decode("utf-8")
+    def __init__(self, view: memoryview, path: str) -> None:
+        self.view, self.path, self.position = view, path, 0
 
-    def skip_value(kind: int) -> int | None:
-        """Step over a value of type `kind`; an unsigned 32-bit one (the alignment) is returned."""
-        nonlocal position
+    def take(self, fmt: str) -> tuple:
+        values = struct.unpack_from(fmt, self.view, self.position)  # struct.error past the end
+        self.position += struct.calcsize(fmt)
+        return values
+
+    def skip(self, num_bytes: int) -> None:
+        if num_bytes > len(self.view) - self.position:
+            raise ValueError(f"{self.path} is cut short: {num_bytes:,} bytes wanted at byte {self.position:,} of "
+                             f"{len(self.view):,}")
+        self.position += num_bytes
+
+    def string(self) -> str:
+        (length,) = self.take("<Q")
+        start = self.position
+        self.skip(length)
+        return bytes(self.view[start : self.position]).decode("utf-8", errors="replace")
+
+    def skip_value(self, kind: int, depth: int = 0) -> int | None:
+        """Step over a metadata value of type `kind`; an unsigned 32-bit one (the alignment) is returned."""
+        if kind == 4:
+            return self.take("<I")[0]
         if kind in _SCALAR_BYTES:
-            value = struct.unpack_from("<I", view, position)[0] if kind == 4 else None
-            position += _SCALAR_BYTES[kind]
-            return value
-        if kind == _STRING:
-            position += 8 + struct.unpack_from("<Q", view, position)[0]
-        elif kind == _ARRAY:
-            item_kind, count = struct.unpack_from("<IQ", view, position)
-            position += 12
+            self.skip(_SCALAR_BYTES[kind])
+        elif kind == _STRING:
+            self.skip(self.take("<Q")[0])
+        elif kind == _ARRAY and depth < 4:
+            item_kind, count = self.take("<IQ")
             if item_kind in _SCALAR_BYTES:
-                position += count * _SCALAR_BYTES[item_kind]
-            else:  # strings (or nested arrays): one length at a time
+                self.skip(count * _SCALAR_BYTES[item_kind])
+            else:  # strings (or arrays): one length at a time
+                if count > (len(self.view) - self.position) // 8:  # each one takes 8 bytes at least
+                    raise ValueError(f"{self.path} is cut short: an array of {count:,} at byte {self.position:,}")
                 for _ in range(count):
-                    skip_value(item_kind)
+                    self.skip_value(item_kind, depth + 1)
         else:
-            raise ValueError(f"{path}: unknown metadata value type {kind}")
+            raise ValueError(f"{self.path}: metadata value type {kind} (at depth {depth}) is not GGUF's")
         return None
 
+
+def _read_tensors(file: _Cursor, buffer: np.memmap, names: set[str] | None) -> dict[str, GGUFTensor]:
+    if bytes(file.view[:4]) != b"GGUF":
+        raise ValueError(f"{file.path} is not a GGUF file")
+    file.skip(4)
+    version, num_tensors, num_fields = file.take("<IQQ")
+    if version not in (2, 3):
+        raise ValueError(f"{file.path}: GGUF version {version} (big-endian, or not 2 or 3) is not read here")
     alignment = 32
     for _ in range(num_fields):
-        key = string()
-        (kind,) = struct.unpack_from("<I", view, position)
-        position += 4
-        value = skip_value(kind)
+        key = file.string()
+        (kind,) = file.take("<I")
+        value = file.skip_value(kind)
         if key == "general.alignment" and value is not None:
+            if value <= 0 or value & (value - 1):
+                raise ValueError(f"{file.path}: general.alignment {value} is not a power of two")
             alignment = value
     directory = []
     for _ in range(num_tensors):
-        name = string()
-        (num_dims,) = struct.unpack_from("<I", view, position)
-        dims = struct.unpack_from(f"<{num_dims}Q", view, position + 4)
-        type_code, offset = struct.unpack_from("<IQ", view, position + 4 + 8 * num_dims)
-        position += 4 + 8 * num_dims + 12
+        name = file.string()
+        (num_dims,) = file.take("<I")
+        if not 1 <= num_dims <= 4:
+            raise ValueError(f"{file.path}: {name} has {num_dims} dimensions (GGUF allows 1 to 4)")
+        dims = file.take(f"<{num_dims}Q")
+        type_code, offset = file.take("<IQ")
         directory.append((name, dims, type_code, offset))
-    data_start = -(-position // alignment) * alignment
+    data_start = -(-file.position // alignment) * alignment
     tensors = {}
     for name, dims, type_code, offset in directory:
         if names is not None and name not in names:
             continue
         if type_code not in GGML_TYPES:
-            raise ValueError(f"{path}: {name} has ggml type {type_code}, which is not read here")
+            raise ValueError(f"{file.path}: {name} has ggml type {type_code}, which is not read here")
         type_name, block, block_bytes = GGML_TYPES[type_code]
-        columns, rows = dims[0], int(np.prod(dims[1:], dtype=np.int64))
+        columns, rows = dims[0], math.prod(dims[1:])
+        if columns % block:
+            raise ValueError(f"{file.path}: {name}'s rows of {columns} are not whole {type_name} blocks of {block}")
         row_bytes = columns // block * block_bytes
         start, end = data_start + offset, data_start + offset + rows * row_bytes
         if end > len(buffer):
-            raise ValueError(f"{path} is cut short: {name} ends at byte {end:,} of {len(buffer):,}")
+            raise ValueError(f"{file.path} is cut short: {name} ends at byte {end:,} of {len(buffer):,}")
         raw = buffer[start:end].reshape(rows, row_bytes)
         if type_name in ("F32", "F16"):
             raw = raw.view(np.float32 if type_name == "F32" else np.float16)
@@ -181,10 +203,12 @@ def hf_row_order(num_rows: int, num_heads: int) -> torch.Tensor:
     return rows.transpose(1, 2).reshape(num_rows)
 
 
-def gguf_linear_blocks(path: str | Path, config: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def gguf_linear_blocks(path: str | Path,
+                       config: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Every Q4_1 linear weight of the file, by our module path: (q, d, m) with rows in Hugging Face order."""
     blocks = {}
-    for name, tensor in read_gguf_tensors(path).items():
+    names = {f"blk.{i}.{part}.weight" for i in range(config.num_layers) for part in _LINEAR_NAMES}
+    for name, tensor in read_gguf_tensors(path, names).items():
         parts = name.split(".")  # blk.{i}.{name}.weight
         if parts[0] != "blk" or parts[2] not in _LINEAR_NAMES:
             continue
