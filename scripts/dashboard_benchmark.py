@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         cores = {int(c) for c in args.server_cores.split(",")}
         rest = os.sched_getaffinity(0) - cores
         if not rest or not cores <= os.sched_getaffinity(0):
-            parser.error(f"--server-cores {args.server_cores}: must name some, not all, of {sorted(os.sched_getaffinity(0))}")
+            parser.error(f"--server-cores {args.server_cores}: must name some, not all, of "
+                         f"{sorted(os.sched_getaffinity(0))}")
         placement = {"cores": sorted(cores), "threads": len(cores)}
     server = ServerProcess.serve(["--served-model-name", "served", "--dtype", args.dtype, *args.server_args],
                                  timeout_s=600, **placement)

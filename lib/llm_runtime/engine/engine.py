@@ -235,7 +235,7 @@ class LLMEngine:
         self._num_idle_steps = 0  # consecutive steps that scheduled nothing while requests were left
         # How the model was set up for this engine, read once: finding out walks every module (0.3 ms for the
         # bundled model), and a server's loop takes stats() two or three times a step.
-        self._model_setup = (is_packed(model), pointwise_ops_of(model).name)
+        self._prepacked_weights, self._pointwise_ops = is_packed(model), pointwise_ops_of(model).name
 
     @classmethod
     def from_pretrained(cls, model: str | Path | None = None, *, device: str | torch.device = "auto",
@@ -620,8 +620,8 @@ class LLMEngine:
             num_failed_requests=self.num_failed_requests,
             num_waiting_requests=scheduler.num_waiting_requests(),
             attention_backend=self.attention_backend.name,
-            prepacked_weights=self._model_setup[0],
-            pointwise_ops=self._model_setup[1],
+            prepacked_weights=self._prepacked_weights,
+            pointwise_ops=self._pointwise_ops,
             cuda_graph_sizes=graphs.sizes if graphs is not None else (),
             num_graph_replays=graphs.num_replays if graphs is not None else 0,
             compiled_model=self.model_runner.compiled is not None,

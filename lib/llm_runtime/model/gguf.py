@@ -20,8 +20,8 @@ interleaved); transformers undoes that when it reads the file, and so does `hf_r
 The file itself (`read_gguf_tensors`): a header, the metadata (key, type, value: the model's shape, and the
 tokenizer's 49,152 tokens and 48,900 merges as arrays of strings), a directory of tensors (name, shape, type,
 offset), then the tensors' bytes, each at a multiple of the alignment. The tensors are all this module reads, so
-it steps over the metadata by lengths alone and maps the bytes without copying them: 0.1 s where the `gguf`
-package's reader, which decodes every string of the metadata into Python objects, took 5 s.
+it steps over the metadata by lengths alone and maps the bytes without copying them: 0.02 s where the `gguf`
+package's reader, which decodes every string of the metadata into Python objects, takes 2.7 s.
 """
 
 from __future__ import annotations
@@ -162,10 +162,10 @@ def _read_tensors(file: _Cursor, buffer: np.memmap, names: set[str] | None) -> d
         if end > len(buffer):
             raise ValueError(f"{file.path} is cut short: {name} ends at byte {end:,} of {len(buffer):,}")
         raw = buffer[start:end].reshape(rows, row_bytes)
-        if type_name in ("F32", "F16"):
-            raw = raw.view(np.float32 if type_name == "F32" else np.float16)
         shape = tuple(reversed(dims))
-        tensors[name] = GGUFTensor(type_name, shape, raw.reshape(shape) if block == 1 else raw)
+        if block == 1:  # a float type: its values, in their shape
+            raw = raw.view(np.float32 if type_name == "F32" else np.float16).reshape(shape)
+        tensors[name] = GGUFTensor(type_name, shape, raw)
     return tensors
 
 
@@ -210,8 +210,6 @@ def gguf_linear_blocks(path: str | Path,
     names = {f"blk.{i}.{part}.weight" for i in range(config.num_layers) for part in _LINEAR_NAMES}
     for name, tensor in read_gguf_tensors(path, names).items():
         parts = name.split(".")  # blk.{i}.{name}.weight
-        if parts[0] != "blk" or parts[2] not in _LINEAR_NAMES:
-            continue
         if tensor.type_name != "Q4_1":
             raise ValueError(f"{name} is {tensor.type_name}; only Q4_1 linear weights load as int4")
         q, d, m = q4_1_blocks(tensor.data)

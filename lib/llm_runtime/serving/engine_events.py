@@ -125,8 +125,8 @@ class EngineFeed:
         """A new subscriber: its first events are a hello and the engine's state (built at the loop's next pass:
         the caller wakes the loop)."""
         subscription = Subscription(self.max_queued)
-        if self.closed or len(self.subscribers) >= self.max_subscribers:  # (the server answers 503 before this,
-            subscription.close()  # but views that raced past its check together are held to the limit here)
+        if self.closed or self.is_full:  # (the server answers 503 when full, but views that raced past its check
+            subscription.close()  # together are held to the limit here)
             return subscription
         subscription.push(self.hello())
         self.subscribers.append(subscription)
@@ -143,6 +143,11 @@ class EngineFeed:
         self.closed = True
         for subscription in list(self.subscribers):
             self.unsubscribe(subscription)
+
+    @property
+    def is_full(self) -> bool:
+        """`max_subscribers` are subscribed: one more is refused."""
+        return len(self.subscribers) >= self.max_subscribers
 
     @property
     def wants_state(self) -> bool:

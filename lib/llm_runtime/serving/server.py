@@ -251,7 +251,7 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
         if not async_engine.is_running:
             raise APIError(503, f"the engine loop stopped: {async_engine.error!r}", kind="server_error")
         feed = async_engine.feed
-        if len(feed.subscribers) >= feed.max_subscribers:
+        if feed.is_full:
             raise APIError(503, f"{feed.max_subscribers} live views are open already; retry later", kind="server_busy")
         return StreamingResponse(_event_stream(async_engine), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
