@@ -21,6 +21,11 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped on an error outside any one request; nothing more can run (HTTP 503)."""
 
 
+class SamplingError(RuntimeError):
+    """A step failed after its forward pass, while its logits were masked or sampled: every rank of a sharded model
+    had finished the step's collectives, so the step may be run again (its `__cause__` is what failed)."""
+
+
 # What CUDA says once its context is broken: every later call on the device fails the same way. (Other CUDA
 # errors, an invalid launch configuration, no kernel image for this GPU, leave the context usable.)
 _STICKY_DEVICE_ERRORS = ("illegal memory access", "illegal address", "illegal instruction", "device-side assert",

@@ -196,6 +196,40 @@ def test_a_killed_worker_makes_the_engine_dead_quickly(tiny_checkpoints) -> None
     assert not [p for p in llm.llm_engine.workers.processes if p.is_alive()]
 
 
+def test_a_request_that_fails_in_sampling_fails_alone_at_2_ranks(tiny_checkpoints, monkeypatch) -> None:
+    """A failure after the forward pass (a grammar's mask, the sampler: a SamplingError) leaves every rank done with
+    the step's collectives: the step runs again one request at a time, the faulty request alone fails, and the
+    engine and its workers serve on (a failure inside the forward pass still ends a sharded engine)."""
+    from llm_runtime.engine import model_runner
+
+    sample = model_runner.sample_sequences
+
+    def failing(sampler, logits, seqs):
+        if any(seq.request_id == "poison" for seq in seqs):
+            raise RuntimeError("injected fault in sampling")
+        return sample(sampler, logits, seqs)
+
+    monkeypatch.setattr(model_runner, "sample_sequences", failing)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = {"a": [5, 17, 3, 42], "poison": [1, 2, 3], "b": [60, 96, 0, 50, 7]}
+    results = []
+    for size in (1, 2):
+        model, _ = _tiny(tiny_checkpoints["llama3"])
+        with LLM.from_model(model, None, tensor_parallel_size=size, num_kv_blocks=32, compile_model=False) as llm:
+            engine = llm.llm_engine
+            for request_id, prompt in prompts.items():
+                engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+            finals = {}
+            while engine.has_unfinished_requests():
+                finals.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+            assert engine.dead_reason is None and engine.stats().num_failed_requests == 1
+            assert finals["poison"].finish_reason == "error"
+            results.append({k: finals[k].token_ids for k in ("a", "b")})
+            if size == 2:
+                assert engine.workers.check() is None
+    assert results[0] == results[1] and all(len(tokens) == 8 for tokens in results[0].values())
+
+
 def test_a_hung_worker_makes_the_engine_dead_at_the_step_timeout(tiny_checkpoints) -> None:
     """A worker that stops answering (SIGSTOP: alive, but never reaching the collective) fails the step at
     tensor_parallel_timeout_s, not never; shutdown then reaps it."""

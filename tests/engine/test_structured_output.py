@@ -239,3 +239,57 @@ def test_constrained_sampling_draws_from_the_renormalised_distribution(tiny_chat
     p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(statistic / 2)))  # chi2.sf
     assert dof >= 2 and p_value > 1e-3, (statistic, dof, p_value)
 
+
+
+class _Completing:
+    """A proposer that guesses the rest of `tokens` (an answer and the end of its turn) from wherever each sequence
+    is: its last drafts end the grammar, as prompt lookup's do when it copies `}<|im_end|>` from an earlier turn."""
+
+    num_speculative_tokens = 8
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def propose(self, sequences) -> None:
+        for seq in sequences:
+            done = seq.num_output_tokens
+            seq.draft_token_ids, seq.draft_probs = self.tokens[done : done + self.num_speculative_tokens], None
+
+    def keep_only(self, running) -> None:
+        pass
+
+
+@pytest.mark.parametrize("structured", [Structured(regex="alpha beta gamma"), Structured(
+    json={"type": "object", "properties": {"a": {"const": "alpha"}}, "required": ["a"], "additionalProperties": False},
+    disable_any_whitespace=True)],
+    ids=["regex", "json"])
+def test_drafts_that_end_the_grammar_are_verified_and_the_matcher_left_where_it_was(tiny_chat_model, structured,
+                                                                                   make_engine) -> None:
+    """Drafts that complete the grammar and then take its stop token: the masks after them are not asked of a
+    terminated matcher (xgrammar raises there), the request ends with its text and "stop", as without drafts, in
+    fewer steps; and a matcher whose draft masks fail is rolled back to where it was."""
+    model, tokenizer = tiny_chat_model
+    prompt = tokenizer.encode("Say it.")
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=structured)
+    plain = make_engine(model, tokenizer, EngineConfig(num_kv_blocks=64, max_forced_tokens=0))
+    expected = _run(plain, {"a": (prompt, params)})["a"].outputs[0]
+    assert expected.finish_reason == "stop" and expected.token_ids[-1] in model.config.eos_token_ids
+    answer = expected.token_ids  # the text and the end of the turn
+    engine = make_engine(model, tokenizer, EngineConfig(num_kv_blocks=64, max_forced_tokens=0, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 8}))
+    engine.proposer = _Completing(answer)
+    got = _run(engine, {"a": (prompt, params)})["a"].outputs[0]
+    assert (got.token_ids, got.text, got.finish_reason) == (expected.token_ids, expected.text, "stop")
+    stats = engine.stats()
+    assert stats.num_failed_requests == 0 and stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    # The prompt's step, then steps that keep all 8 drafts and the token after them, the last one ending the turn.
+    assert engine.profile.num_steps == 1 + -(-(len(answer) - 1) // 9) < plain.profile.num_steps
+    assert_no_leak(engine)
+    # A draft the grammar refuses: fill_drafts raises and leaves the matcher where it started.
+    state = GrammarState(engine.input_processor.grammar_compiler().compile(structured))
+    bitmask = allocate_bitmask(len(answer) + 1, model.config.vocab_size)
+    with pytest.raises(ValueError, match="not allowed by the grammar"):
+        state.fill_drafts(answer[:2] + [answer[0]] * 3, bitmask, 0)
+    assert state.valid_prefix(answer) == answer and state.valid_prefix(answer + answer) == answer
+    state.fill_drafts(answer, bitmask, 0)
+    assert all(state.accept(token) for token in answer) and state.is_terminated

@@ -38,7 +38,7 @@ from ..config import EngineConfig
 from ..distributed.sharding import shard_model_, tensor_parallel_unsupported_reason
 from ..kv_transfer.payload import KVLayout, KVPayload, read_blocks, write_blocks
 from ..distributed.workers import ShardSettings, ShardWorkers, WorkerSpec, start_shard_workers
-from ..errors import EngineDeadError, InvalidRequestError, is_device_fault
+from ..errors import EngineDeadError, InvalidRequestError, SamplingError, is_device_fault
 from ..device import resolve_device
 from ..model import CausalLM, load_model
 from ..model.pointwise import EAGER_OPS, compiled_ops, pointwise_ops_of, set_pointwise_ops_
@@ -768,12 +768,15 @@ class LLMEngine:
         whose part fails again. Rerunning is safe: nothing was recorded for the failed step, its KV
         writes go to the same slots again, copy-on-write copies are idempotent, and a seeded request's
         noise is a function of its seed and output length, so its retry draws the same noise. A fault of
-        the device itself (is_device_fault) is not retried: it kills the engine."""
+        the device itself (is_device_fault) is not retried: it kills the engine, as does any failure of a sharded
+        step before its sampling."""
         try:
             return self.model_runner.run(batch)
         except Exception as error:
-            if is_device_fault(error) or self.workers is not None:
-                # Sharded, a failed step leaves the ranks at different points of it: none can be retried.
+            sharded_mid_step = self.workers is not None and not isinstance(error, SamplingError)
+            if is_device_fault(error) or sharded_mid_step:
+                # Sharded, a step that failed in its forward pass leaves the ranks at different points of it: none
+                # can be retried. One that failed in sampling (SamplingError) had finished every collective.
                 if self.workers is not None:
                     self.workers.failed = True
                     dead = self.workers.check()

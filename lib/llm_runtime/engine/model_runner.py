@@ -34,6 +34,7 @@ import torch
 from ..attention.backend import AttentionBackend, PagedAttentionStep
 from ..attention.kv_cache import PagedKVCache
 from ..attention.torch_gather import TorchGatherBackend
+from ..errors import SamplingError, is_device_fault
 from ..model import CausalLM
 from ..sampling import Sampler
 from ..sampling.rejection import RejectionSampler
@@ -185,6 +186,17 @@ class ModelRunner:
 
     def _sample(self, batch: ScheduledBatch, sampling: tuple[int, ...], logits: torch.Tensor,
                 output: ModelRunnerOutput) -> ModelRunnerOutput:
+        """`_sample_now`; what fails in it (a grammar's mask, the sampler) is raised as a SamplingError, which says
+        that the step's forward pass, and every collective of a sharded one, completed: it may be run again."""
+        try:
+            return self._sample_now(batch, sampling, logits, output)
+        except Exception as error:
+            if is_device_fault(error):
+                raise
+            raise SamplingError(f"sampling the step failed: {type(error).__name__}: {error}") from error
+
+    def _sample_now(self, batch: ScheduledBatch, sampling: tuple[int, ...], logits: torch.Tensor,
+                    output: ModelRunnerOutput) -> ModelRunnerOutput:
         """A token for each of the items `sampling` names, from their logits rows (R, vocab): one row per item,
         or 1 + k rows for an item verifying k drafts (the rejection sampler keeps some, then draws one)."""
         items = [batch.items[i] for i in sampling]

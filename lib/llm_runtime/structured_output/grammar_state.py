@@ -61,23 +61,39 @@ class GrammarState:
 
     def fill_drafts(self, drafts: TokenList[int], bitmask: torch.Tensor, first_row: int) -> None:
         """The masks of a speculating sequence's 1 + k rows: allowed tokens now, after draft 1, ..., after draft k.
-        The matcher ends where it started. The drafts must be valid (`valid_prefix` cut them)."""
+        The matcher ends where it started, whatever happens. The drafts must be valid (`valid_prefix` cut them).
+
+        A draft may end the grammar (a stop token once it is complete, which `valid_prefix` keeps): nothing is
+        allowed after it, and xgrammar refuses to fill a mask there. Its row is left as allocated (every token
+        allowed): a sequence that keeps that draft finishes on it, and the token drawn from the row is dropped
+        (Scheduler.postprocess); one that refuses it never reads the row."""
         self.fill(bitmask, first_row)
-        for i, token in enumerate(drafts):
-            if not self.matcher.accept_token(token):
-                self.matcher.rollback(i)
-                raise ValueError(f"draft {i} (token {token}) is not allowed by the grammar; cut drafts first")
-            self.fill(bitmask, first_row + 1 + i)
-        self.matcher.rollback(len(drafts))
+        accepted = 0
+        try:
+            for i, token in enumerate(drafts):
+                if not self.matcher.accept_token(token):
+                    raise ValueError(f"draft {i} (token {token}) is not allowed by the grammar; cut drafts first")
+                accepted += 1
+                if self.matcher.is_terminated():
+                    if accepted < len(drafts):
+                        raise ValueError(f"draft {i} (token {token}) ends the grammar, and {len(drafts) - accepted} "
+                                         f"drafts follow it; cut drafts first")
+                    break
+                self.fill(bitmask, first_row + 1 + i)
+        finally:
+            self.matcher.rollback(accepted)
 
     def valid_prefix(self, drafts: TokenList[int]) -> list[int]:
-        """The longest prefix of `drafts` the grammar allows from here (the matcher ends where it started)."""
+        """The longest prefix of `drafts` the grammar allows from here (the matcher ends where it started). A stop
+        token that completes the grammar is kept, and nothing after it."""
         kept = 0
-        for token in drafts:
-            if not self.matcher.accept_token(token):
-                break
-            kept += 1
-        self.matcher.rollback(kept)
+        try:
+            for token in drafts:
+                if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                    break
+                kept += 1
+        finally:
+            self.matcher.rollback(kept)
         return list(drafts[:kept])
 
     def forced_tokens(self, tokenizer: Tokenizer, limit: int) -> list[int]:
