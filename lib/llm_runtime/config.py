@@ -289,10 +289,11 @@ class EngineConfig:
     max_forced_tokens: int = 8
     max_grammar_chars: int = 65536  # a schema, regex or grammar longer than this is refused, not compiled
     grammar_compile_timeout_s: float = 10.0  # a constraint that takes longer to compile is refused
+    max_pending_grammar_compiles: int = 8  # distinct constraints compiling at once; more are refused as busy (503)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_num_stop_strings",
-                     "max_stop_string_len", "max_grammar_chars"):
+                     "max_stop_string_len", "max_grammar_chars", "max_pending_grammar_compiles"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

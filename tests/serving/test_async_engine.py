@@ -76,3 +76,47 @@ def test_back_pressure_counts_requests_not_sequences(tiny_chat_model) -> None:
     assert AsyncLLMEngine(engine, max_waiting_requests=2).num_waiting == 1
     engine.step()  # the parent runs: no request is waiting any more
     assert engine.stats().num_waiting_requests == 0
+
+
+def test_a_slow_compile_holds_up_only_its_own_request(tiny_chat_model, monkeypatch) -> None:
+    """A constrained request whose grammar takes long to compile waits for it on the loop: requests sent after it
+    are tokenized, run and finish meanwhile (before, the compile ran on the one input thread and held up every
+    request's tokenization for up to 10 s). A burst of 20 requests with another new schema compiles it once."""
+    from llm_runtime.sampling import StructuredOutputsParams
+
+    model, tokenizer = tiny_chat_model
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=256, max_num_seqs=32))
+    compiler = engine.input_processor.grammar_compiler()
+    real, release, runs = compiler._compile_now, __import__("threading").Event(), []
+
+    def slow(params):
+        runs.append(params.spec)
+        if params.regex == "slow|words":
+            release.wait(30)
+        return real(params)
+
+    monkeypatch.setattr(compiler, "_compile_now", slow)
+
+    async def scenario():
+        async_engine = AsyncLLMEngine(engine)
+        await async_engine.start()
+        slow_params = SamplingParams(temperature=0, max_tokens=8,
+                                     structured_outputs=StructuredOutputsParams(regex="slow|words"))
+        constrained = asyncio.create_task(async_engine.add_request("Hello", slow_params))
+        await asyncio.sleep(0.05)
+        plain = [await _final_text(await async_engine.add_request(f"Hi {i}", SamplingParams(max_tokens=3)))
+                 for i in range(3)]
+        waiting = not constrained.done()
+        release.set()
+        text = await _final_text(await constrained)
+        burst_params = SamplingParams(temperature=0, max_tokens=4, structured_outputs=StructuredOutputsParams(
+            choice=["alpha", "beta"]))
+        burst = await asyncio.gather(*(async_engine.add_request("Pick", burst_params) for _ in range(20)))
+        burst_texts = await asyncio.gather(*(_final_text(stream) for stream in burst))
+        await async_engine.stop()
+        return plain, waiting, text, burst_texts
+
+    plain, waiting, text, burst_texts = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+    assert waiting and len(plain) == 3 and text in ("slow", "words")
+    assert set(burst_texts) <= {"alpha", "beta"} and runs.count('["alpha", "beta"]') == 1
+    engine.shutdown()

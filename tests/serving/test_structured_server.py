@@ -161,3 +161,38 @@ def test_text_completions_take_a_bad_constraint_as_a_400(client) -> None:
         client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=8,
                                   extra_body={"structured_outputs": {"regex": "[z-a]"}})
     assert refused.value.body["param"] == "structured_outputs.regex"
+
+
+def test_compiles_past_the_bound_get_503_and_plain_requests_go_on(server, monkeypatch) -> None:
+    """One slow compile in flight with room for one: a request with another new constraint is answered 503 at once
+    (server_busy), an unconstrained request is served meanwhile, and once the compile ends both kinds are served."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    base, engine, _ = server
+    compiler = engine.input_processor.grammar_compiler()
+    real, release = compiler._compile_now, threading.Event()
+
+    def slow(params):
+        if params.regex == "held|back":
+            release.wait(30)
+        return real(params)
+
+    monkeypatch.setattr(compiler, "_compile_now", slow)
+    monkeypatch.setattr(compiler, "max_pending", 1)
+
+    def complete(**fields):
+        return httpx.post(f"{base}/v1/completions", json={"model": MODEL_NAME, "prompt": "Say", "max_tokens": 4,
+                                                          "temperature": 0, **fields}, timeout=60)
+
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(complete, structured_outputs={"regex": "held|back"})
+        while compiler.num_pending == 0:
+            threading.Event().wait(0.01)
+        busy = complete(structured_outputs={"regex": "other|one"})
+        assert busy.status_code == 503 and busy.json()["error"]["type"] == "server_busy"
+        assert complete().status_code == 200
+        release.set()
+        assert held.result().status_code == 200 and held.result().json()["choices"][0]["text"] in ("held", "back")
+    assert complete(structured_outputs={"regex": "other|one"}).status_code == 200
+    wait_idle(engine)

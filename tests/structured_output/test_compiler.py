@@ -1,15 +1,20 @@
 """Compiling constraints (structured_output/compiler.py): every kind compiles for the bundled tokenizer; a bad
 schema, regex or grammar, an over-long one or one too slow to compile is refused naming its field; the cache
-compiles a constraint once; choices are escaped so the grammar accepts exactly the strings given."""
+compiles a constraint once; choices are escaped so the grammar accepts exactly the strings given. Under load:
+one compile per distinct constraint, shared by a burst of requests; a bound on compiles in flight (busy past it);
+a compile past its deadline abandoned, counted once, its constraint refused at once afterwards and its late
+result dropped; a constraint that does not compile is not compiled again."""
 
 from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from llm_runtime import InvalidRequestError
+from llm_runtime.errors import EngineBusyError
 from llm_runtime.sampling import StructuredOutputsParams as Params
 from llm_runtime.structured_output import GrammarCompiler, choice_grammar
 
@@ -76,20 +81,77 @@ def test_a_constraint_compiles_once_and_the_cache_is_bounded(bundled_tokenizer) 
     assert compiler.compile(Params(regex="a+")) is not first and compiler.num_compiled == 4
 
 
-def test_a_compile_past_its_deadline_is_refused_and_others_go_on(bundled_tokenizer, monkeypatch) -> None:
-    compiler = GrammarCompiler(bundled_tokenizer, 49152, (2,), timeout_s=0.2)
-    real = compiler._compile_now
-    release = threading.Event()
+def _gated(compiler: GrammarCompiler, monkeypatch, slow: set[str]) -> tuple[threading.Event, list[str]]:
+    """Make compiles of the regexes in `slow` wait for the returned event; the list records every compile run."""
+    real, release, runs = compiler._compile_now, threading.Event(), []
 
-    def slow(params):
-        if params.regex == "slow":
-            release.wait(5)
+    def compile_now(params):
+        runs.append(params.spec)
+        if params.regex in slow:
+            release.wait(30)
         return real(params)
 
-    monkeypatch.setattr(compiler, "_compile_now", slow)
+    monkeypatch.setattr(compiler, "_compile_now", compile_now)
+    return release, runs
+
+
+def test_a_compile_past_its_deadline_is_abandoned_and_others_go_on(bundled_tokenizer, monkeypatch) -> None:
+    compiler = GrammarCompiler(bundled_tokenizer, 49152, (2,), timeout_s=0.2)
+    release, runs = _gated(compiler, monkeypatch, {"slow"})
     started = time.perf_counter()
     with pytest.raises(InvalidRequestError, match="did not compile within") as refused:
         compiler.compile(Params(regex="slow"))
     assert refused.value.param == "structured_outputs.regex" and time.perf_counter() - started < 2
+    assert compiler.num_abandoned == 1 and compiler.num_pending == 1  # still running: it cannot be stopped
     assert compiler.compile(Params(regex="fast")) is not None  # the second worker is free
+    with pytest.raises(InvalidRequestError, match="did not compile within"):  # refused at once, not compiled again
+        compiler.submit(Params(regex="slow"))
     release.set()
+    deadline = time.monotonic() + 10
+    while compiler.num_pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert compiler.num_pending == 0 and runs.count("slow") == 1
+    with pytest.raises(InvalidRequestError, match="did not compile within"):  # its late result was dropped
+        compiler.submit(Params(regex="slow"))
+    assert compiler.num_abandoned == 1 and compiler.num_compiled == 1
+
+
+def test_a_burst_with_one_new_constraint_compiles_it_once(bundled_tokenizer, monkeypatch) -> None:
+    """100 requests with one schema arrive while it compiles: they all wait for the one compile and get its
+    grammar; before, each ran its own (and the late ones were refused for a schema that compiles)."""
+    compiler = GrammarCompiler(bundled_tokenizer, 49152, (2,), timeout_s=20)
+    release, runs = _gated(compiler, monkeypatch, {"[a-z]{1,8}@[a-z]{1,8}"})
+    params = Params(regex="[a-z]{1,8}@[a-z]{1,8}")
+    pending = [compiler.submit(params) for _ in range(100)]  # returns at once: nobody waits on this thread
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        waiting = [pool.submit(grammar.result) for grammar in pending]
+        time.sleep(0.2)
+        assert not any(future.done() for future in waiting)
+        release.set()
+        grammars = [future.result(timeout=30) for future in waiting]
+    assert len({id(grammar) for grammar in grammars}) == 1 and runs == [params.spec]
+    assert compiler.num_compiled == 1 and compiler.num_shared == 99 and compiler.num_pending == 0
+
+
+def test_compiles_in_flight_are_bounded(bundled_tokenizer, monkeypatch) -> None:
+    compiler = GrammarCompiler(bundled_tokenizer, 49152, (2,), timeout_s=20, max_pending=2)
+    release, _ = _gated(compiler, monkeypatch, {"a+", "b+", "c+"})
+    first, second = compiler.submit(Params(regex="a+")), compiler.submit(Params(regex="b+"))
+    compiler.submit(Params(regex="a+"))  # joins the first: no new compile
+    with pytest.raises(EngineBusyError, match="being compiled already"):
+        compiler.submit(Params(regex="c+"))
+    release.set()
+    assert first.result() is not None and second.result() is not None
+    assert compiler.submit(Params(regex="c+")).result() is not None  # room again
+    assert compiler.num_compiled == 3
+
+
+def test_a_constraint_that_does_not_compile_is_refused_again_without_compiling(bundled_tokenizer,
+                                                                               monkeypatch) -> None:
+    compiler = GrammarCompiler(bundled_tokenizer, 49152, (2,))
+    _, runs = _gated(compiler, monkeypatch, set())
+    for _ in range(3):
+        with pytest.raises(InvalidRequestError, match="does not compile") as refused:
+            compiler.compile(Params(regex="(unclosed"))
+        assert refused.value.param == "structured_outputs.regex"
+    assert runs == ["(unclosed"] and compiler.num_compiled == 0

@@ -495,6 +495,7 @@ class LLMEngine:
         for request_id in list(self.requests):
             self.abort_request(request_id)
         self.is_shut_down = True
+        self.input_processor.close()
         if self.model_runner.graphs is not None:
             self.model_runner.graphs.close()  # they point into the pool
             self.model_runner.graphs = None
@@ -527,6 +528,9 @@ class LLMEngine:
             raise EngineDeadError(f"the engine's device failed; create a new engine: {self.dead_reason!r}")
         if request.request_id in self.requests:
             raise InvalidRequestError("request_id", f"request id {request.request_id!r} is already in use")
+        if request.pending_grammar is not None:
+            raise ValueError("the request's grammar is still compiling: add request.compiled() (or await "
+                             "request.compiled_async())")
         params = request.params
         sequences = []
         for index in range(params.n):

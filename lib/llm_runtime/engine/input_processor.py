@@ -16,6 +16,7 @@ a step runs, and adds the finished `EngineRequest` between steps.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import abc
@@ -26,7 +27,7 @@ from ..config import EngineConfig, ModelConfig
 from ..errors import InvalidRequestError
 from ..model.tokenizer import Tokenizer, encode_chat
 from ..sampling import SamplingParams
-from ..structured_output import CompiledGrammar, GrammarCompiler
+from ..structured_output import CompiledGrammar, GrammarCompiler, PendingGrammar
 
 # What a prompt may be: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": [...]}.
 Prompt = str | list[int] | dict
@@ -45,6 +46,20 @@ class EngineRequest:
     max_new_tokens: int
     arrival_time: float
     grammar: CompiledGrammar | None = None  # the compiled structured_outputs constraint, if the request has one
+    pending_grammar: PendingGrammar | None = None  # its compile, while the request has yet to wait for it
+
+    def compiled(self) -> "EngineRequest":
+        """This request with its grammar compiled, waiting here for it (InvalidRequestError if it does not
+        compile, or not in time)."""
+        if self.pending_grammar is None:
+            return self
+        return dataclasses.replace(self, grammar=self.pending_grammar.result(), pending_grammar=None)
+
+    async def compiled_async(self) -> "EngineRequest":
+        """`compiled()`, awaited: the event loop goes on serving while the grammar compiles."""
+        if self.pending_grammar is None:
+            return self
+        return dataclasses.replace(self, grammar=await self.pending_grammar.wait(), pending_grammar=None)
 
 
 def validate_prompt(prompt_token_ids: object, vocab_size: int, max_model_len: int, limit_reason: str = "") -> list[int]:
@@ -115,17 +130,18 @@ class InputProcessor:
 
     # ------------------------------------------------------------------ entry points
     def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                arrival_time: float | None = None) -> EngineRequest:
-        """Validate and tokenize one request; raises InvalidRequestError naming the field at fault."""
+                arrival_time: float | None = None, *, wait_for_grammar: bool = True) -> EngineRequest:
+        """Validate and tokenize one request; raises InvalidRequestError naming the field at fault (EngineBusyError
+        when too many constraints are being compiled). `wait_for_grammar=False`: its grammar may come back pending."""
         params = self._check_params(request_id, params)
         text, token_ids = self._tokenize(prompt)
-        return self._request(request_id, text, token_ids, params, arrival_time)
+        return self._request(request_id, text, token_ids, params, arrival_time, wait_for_grammar)
 
     def process_chat(self, request_id: str, messages: Messages, params: SamplingParams | None = None,
-                     arrival_time: float | None = None) -> EngineRequest:
+                     arrival_time: float | None = None, *, wait_for_grammar: bool = True) -> EngineRequest:
         """The same for a conversation, rendered with the tokenizer's chat template."""
         params = self._check_params(request_id, params)
-        return self._request(request_id, None, self.render_chat(messages), params, arrival_time)
+        return self._request(request_id, None, self.render_chat(messages), params, arrival_time, wait_for_grammar)
 
     def render_chat(self, messages: Messages) -> list[int]:
         """Token ids of `messages` through the chat template (text parts of a message joined by newlines)."""
@@ -164,8 +180,15 @@ class InputProcessor:
             if self._grammar_compiler is None:
                 self._grammar_compiler = GrammarCompiler(
                     self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids,
-                    max_spec_chars=self.config.max_grammar_chars, timeout_s=self.config.grammar_compile_timeout_s)
+                    max_spec_chars=self.config.max_grammar_chars, timeout_s=self.config.grammar_compile_timeout_s,
+                    max_pending=self.config.max_pending_grammar_compiles)
             return self._grammar_compiler
+
+    def close(self) -> None:
+        """Stop the grammar compiler's workers, if it has any (the engine's shutdown)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is not None:
+                self._grammar_compiler.close()
 
     # ------------------------------------------------------------------ checks
     def _check_params(self, request_id: str, params: SamplingParams | None) -> SamplingParams:
@@ -225,7 +248,7 @@ class InputProcessor:
                                             f"{type(prompt).__name__}")
 
     def _request(self, request_id: str, text: str | None, token_ids: object, params: SamplingParams,
-                 arrival_time: float | None) -> EngineRequest:
+                 arrival_time: float | None, wait_for_grammar: bool) -> EngineRequest:
         ids = validate_prompt(token_ids, self.model_config.vocab_size, self.context_len, self.limit_reason)
         block_size = self.config.block_size
         needed = -(-(len(ids) + 1) // block_size)  # the prompt and at least one new token
@@ -237,5 +260,6 @@ class InputProcessor:
         budget = max_new_tokens(params, len(ids), self.max_model_len, self.limit_reason)
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         structured = params.structured_outputs
-        grammar = self.grammar_compiler().compile(structured) if structured is not None else None  # the last check
-        return EngineRequest(request_id, text, ids, params, budget, arrival, grammar)
+        pending = self.grammar_compiler().submit(structured) if structured is not None else None  # the last check
+        request = EngineRequest(request_id, text, ids, params, budget, arrival, pending_grammar=pending)
+        return request.compiled() if wait_for_grammar else request

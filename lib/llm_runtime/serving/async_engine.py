@@ -9,7 +9,9 @@ clients while the model computes; and it hands every output to its request's str
         print(output.outputs[0].text_delta, end="")
 
 Validation and tokenization (the input processor) run on a third thread, so a long prompt does not
-stall the event loop; the busy check comes before them. A request of several prompts is all or
+stall the event loop; the busy check comes before them. A constrained request's grammar compiles on the
+compiler's own workers, and the request awaits it on the loop, so neither the loop nor the input thread waits
+for a compile (structured_output/compiler.py). A request of several prompts is all or
 nothing: if one is refused, none is added. A client that stops listening calls `stream.cancel()`
 (the server does it when the connection drops): the request is aborted at the next step boundary
 and its KV blocks are freed; its id stays taken until then.
@@ -190,15 +192,15 @@ class AsyncLLMEngine:
         """
         processor = self.engine.input_processor
         return await self._add(len(prompts), request_ids, lambda ids: [
-            processor.process(request_id, prompt, params) for request_id, prompt in zip(ids, prompts)],
-            kv_transfer_params)
+            processor.process(request_id, prompt, params, wait_for_grammar=False)
+            for request_id, prompt in zip(ids, prompts)], kv_transfer_params)
 
     async def add_chat(self, messages: Messages, params: SamplingParams | None = None,
                        request_id: str | None = None, kv_transfer_params: dict | None = None) -> RequestStream:
         """One conversation, rendered with the chat template off the event loop."""
         processor = self.engine.input_processor
         return (await self._add(1, None if request_id is None else [request_id],
-                                lambda ids: [processor.process_chat(ids[0], messages, params)],
+                                lambda ids: [processor.process_chat(ids[0], messages, params, wait_for_grammar=False)],
                                 kv_transfer_params))[0]
 
     def _transfer_params(self, count: int, kv_transfer_params: dict | None) -> TransferParams | None:
@@ -225,6 +227,8 @@ class AsyncLLMEngine:
         self._num_processing += count
         try:
             requests = await asyncio.get_running_loop().run_in_executor(self._input_executor, process, ids)
+            # A constrained request waits for its grammar here, on the loop: the input thread goes on tokenizing.
+            requests = list(await asyncio.gather(*(request.compiled_async() for request in requests)))
             if not self.is_running:
                 raise EngineDeadError("the engine loop stopped" + (f": {self.error!r}" if self.error else ""))
         except BaseException:

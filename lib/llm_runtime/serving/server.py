@@ -18,7 +18,7 @@ sends one server-sent event per generated token (even when its text is still inc
 with `data: [DONE]`. Every failure is OpenAI's JSON error object: 400 for an invalid request (its
 `param` names the field), 404 for an unknown model or route, 413 for a body over the limit, 500 when
 the engine failed this request (mid-stream: an `error` event before `[DONE]`), 503 when the queue is
-full or the engine loop stopped. A client that hangs up, streaming or not, has its request aborted.
+full, too many distinct constraints are compiling, or the engine loop stopped. A client that hangs up, streaming or not, has its request aborted.
 The OpenAPI schema (`/openapi.json`) documents exactly this, with the engine's limits as bounds.
 """
 
@@ -112,7 +112,8 @@ class BodyLimit:
 
 # ------------------------------------------------------------------------------------------ the schema
 _ERROR_STATUSES = {400: "invalid request (`param` names the field)", 404: "unknown model", 413: "body too large",
-                   500: "the engine failed this request", 503: "queue full, or the engine loop stopped"}
+                   500: "the engine failed this request",
+                   503: "queue full, too many constraints compiling, or the engine loop stopped"}
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": protocol.ErrorResponse, "description": text} for status, text in _ERROR_STATUSES.items()}
 

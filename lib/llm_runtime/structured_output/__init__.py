@@ -4,13 +4,14 @@ does the compiling and the matching; the engine decides when masks are filled, h
 go through the speculative path, and what the sampler sees."""
 
 from .bitmask import apply_bitmask, unpack_bitmask
-from .compiler import CompiledGrammar, GrammarCompiler, choice_grammar
+from .compiler import CompiledGrammar, GrammarCompiler, PendingGrammar, choice_grammar
 from .grammar_state import GrammarState, allocate_bitmask
 
 __all__ = [
     "CompiledGrammar",
     "GrammarCompiler",
     "GrammarState",
+    "PendingGrammar",
     "allocate_bitmask",
     "apply_bitmask",
     "choice_grammar",

@@ -6,25 +6,36 @@ allowed, always refused, or depend on the stack (most of the vocabulary falls in
 what makes a step's mask cheap). A `choice` is compiled as the grammar `root ::= "a" | "b" | ...`;
 `json_object` as the schema `{"type": "object"}` (OpenAI's meaning: any object, not any JSON value).
 
-Compiling is where a hostile request could hurt: a schema of a megabyte, a grammar that takes seconds. So:
-the constraint's text is refused above `max_spec_chars`; the compile runs on a worker thread and is refused
-when it takes longer than `timeout_s` (the thread finishes on its own; xgrammar releases the GIL while it
-works, so nothing else waits for it); and results are cached by constraint (`StructuredOutputsParams.key`),
-so a thousand requests with one schema compile it once. The input processor calls `compile`; the server runs
-the input processor on a worker thread, never on the event loop.
+Compiling is where a hostile request could hurt: a schema of a megabyte, a grammar that takes seconds, a
+thousand requests with fresh schemas at once. So (as vLLM V1's structured-output manager does it):
+
+- the constraint's text is refused above `max_spec_chars`;
+- `submit` never compiles on the caller's thread: it hands back a `PendingGrammar`, which the caller waits on
+  where waiting holds up nobody else (the server awaits it on its event loop; `LLMEngine.add_request`, which is
+  synchronous anyway, blocks on it), so tokenizing other requests never waits for a compile;
+- one compile per distinct constraint (`StructuredOutputsParams.key`) is in flight, shared by every request
+  that waits for it: a burst of a hundred requests with one new schema compiles it once; results are cached, and
+  so are refusals (a schema that does not compile is not compiled again);
+- at most `max_pending` compiles are queued or running: past that, `submit` raises EngineBusyError (the server's
+  503), so a flood of fresh schemas holds a bounded amount of work;
+- a compile still running `timeout_s` after it was submitted is abandoned: everyone waiting for it is refused,
+  it is counted (`num_abandoned`), its constraint is refused at once from then on, and its result is dropped
+  when it finishes (xgrammar cannot be stopped midway; it still counts against `max_pending` until it ends).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidRequestError
+from ..errors import EngineBusyError, InvalidRequestError
 from ..model.tokenizer import Tokenizer
 from ..sampling.structured_outputs import StructuredOutputsParams
 
@@ -58,11 +69,46 @@ def _reason(error: Exception) -> str:
     return _LOG_PREFIX.sub("", text.splitlines()[0]) if text else type(error).__name__
 
 
+class PendingGrammar:
+    """A grammar being compiled (or already compiled) for one request: `result()` blocks, `wait()` awaits. Requests
+    with the same constraint share the compile behind it, and its deadline."""
+
+    def __init__(self, compiler: "GrammarCompiler", params: StructuredOutputsParams, job: "_Compile") -> None:
+        self._compiler, self._params, self._job = compiler, params, job
+
+    def result(self) -> CompiledGrammar:
+        """The compiled grammar; InvalidRequestError when it does not compile or runs past its deadline."""
+        try:
+            return self._job.future.result(timeout=max(0.0, self._job.deadline - time.monotonic()))
+        except FutureTimeout:
+            raise self._compiler._abandon(self._params, self._job) from None
+
+    async def wait(self) -> CompiledGrammar:
+        """`result()` for a coroutine: the event loop serves everyone else meanwhile."""
+        # Shielded: one waiter's timeout must not cancel the compile that the other waiters share.
+        shared = asyncio.shield(asyncio.wrap_future(self._job.future))
+        try:
+            return await asyncio.wait_for(shared, max(0.0, self._job.deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise self._compiler._abandon(self._params, self._job) from None
+
+
+@dataclass(eq=False)
+class _Compile:
+    """One compile in flight: its future, its deadline (time.monotonic()), and whether it was abandoned."""
+
+    future: Future
+    deadline: float
+    abandoned: bool = False
+
+
 class GrammarCompiler:
+
     """Compiles `StructuredOutputsParams` for one tokenizer and vocabulary; thread-safe, bounded, cached."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], *,
-                 max_spec_chars: int = 65536, timeout_s: float = 10.0, cache_size: int = 256) -> None:
+                 max_spec_chars: int = 65536, timeout_s: float = 10.0, cache_size: int = 256,
+                 max_pending: int = 8) -> None:
         import xgrammar  # here, not at import: `import llm_runtime` stays quick for lessons that never constrain
 
         self._xgr = xgrammar
@@ -75,41 +121,107 @@ class GrammarCompiler:
         self.max_spec_chars = max_spec_chars
         self.timeout_s = timeout_s
         self.cache_size = cache_size
+        self.max_pending = max_pending
         self._cache: OrderedDict[tuple[str, str, bool], CompiledGrammar] = OrderedDict()
+        # Constraints refused once (they do not compile, or compiled too slowly): refused again without compiling.
+        self._refused: OrderedDict[tuple[str, str, bool], str] = OrderedDict()
+        self._pending: dict[tuple[str, str, bool], _Compile] = {}  # compiles that requests may still join
+        self._num_in_flight = 0  # compiles queued or running, abandoned ones included (what max_pending bounds)
         self._lock = threading.Lock()
         # Two workers: one compile that runs past its deadline still leaves one for the next request.
         self._workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
-        self.num_compiled = 0  # compiles that ran (cache misses that succeeded)
+        self.num_compiled = 0  # compiles that ran and succeeded in time (cache misses)
+        self.num_abandoned = 0  # compiles that ran past their deadline (their requests refused)
+        self.num_shared = 0  # requests that waited for a compile another request had started
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        """The grammar of `params`, from the cache or compiled now; InvalidRequestError naming the field when
-        the constraint is too long, does not compile, or takes longer than `timeout_s` to."""
+        """The grammar of `params`, from the cache or compiled now, waiting on this thread (`submit` says what is
+        refused, and how)."""
+        return self.submit(params).result()
+
+    def submit(self, params: StructuredOutputsParams) -> PendingGrammar:
+        """The grammar of `params` as it will be: from the cache, from the compile another request started, or from
+        a compile started now. Raises at once InvalidRequestError naming the field (too long, refused before) or
+        EngineBusyError (`max_pending` compiles in flight); the pending grammar raises InvalidRequestError when the
+        constraint does not compile, or not within `timeout_s`."""
         if len(params.spec) > self.max_spec_chars:
             raise InvalidRequestError(params.param, f"{params.param} has {len(params.spec)} characters; at most "
                                                     f"{self.max_spec_chars} are compiled")
+        key = params.key
         with self._lock:
-            cached = self._cache.get(params.key)
+            cached = self._cache.get(key)
             if cached is not None:
-                self._cache.move_to_end(params.key)
-                return cached
-        future = self._workers.submit(self._compile_now, params)
-        try:
-            compiled = future.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            raise InvalidRequestError(params.param, f"{params.param} did not compile within {self.timeout_s:g} s; "
-                                                    f"simplify it") from None
-        except (RuntimeError, ValueError, TypeError) as error:  # xgrammar's parse and schema errors
-            message = _reason(error)
-            raise InvalidRequestError(params.param, f"{params.param} does not compile: {message}") from None
-        grammar = CompiledGrammar(params.key, compiled, self.vocab_size)
-        with self._lock:
-            self._cache[params.key] = grammar
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-            self.num_compiled += 1
-        return grammar
+                self._cache.move_to_end(key)
+                done: Future = Future()
+                done.set_result(cached)
+                return PendingGrammar(self, params, _Compile(done, float("inf")))
+            reason = self._refused.get(key)
+            if reason is not None:
+                self._refused.move_to_end(key)
+                raise InvalidRequestError(params.param, reason)
+            job = self._pending.get(key)
+            if job is not None:
+                self.num_shared += 1
+                return PendingGrammar(self, params, job)
+            if self._num_in_flight >= self.max_pending:
+                raise EngineBusyError(f"{self._num_in_flight} constraints are being compiled already; retry later")
+            job = _Compile(self._workers.submit(self._compile_now, params), time.monotonic() + self.timeout_s)
+            self._pending[key] = job
+            self._num_in_flight += 1
+        job.future.add_done_callback(lambda future: self._finished(key, job))
+        return PendingGrammar(self, params, job)
 
-    def _compile_now(self, params: StructuredOutputsParams) -> Any:
+    def _finished(self, key: tuple[str, str, bool], job: _Compile) -> None:
+        """A compile ended (on its worker): the cache keeps a grammar made in time, the refusals a constraint that
+        does not compile."""
+        with self._lock:
+            self._num_in_flight -= 1
+            if self._pending.get(key) is job:
+                del self._pending[key]
+            if job.abandoned or job.future.cancelled():
+                return
+            error = job.future.exception()
+            if error is None:
+                self._cache[key] = job.future.result()
+                self._trim(self._cache)
+                self.num_compiled += 1
+            elif isinstance(error, InvalidRequestError):
+                self._refused[key] = str(error)
+                self._trim(self._refused)
+
+    def _abandon(self, params: StructuredOutputsParams, job: _Compile) -> InvalidRequestError:
+        """A waiter saw `job` pass its deadline: abandon it (once), refuse its constraint from now on; the error for
+        the waiter to raise."""
+        message = f"{params.param} did not compile within {self.timeout_s:g} s; simplify it"
+        with self._lock:
+            if not job.abandoned and not job.future.done():
+                job.abandoned = True
+                self.num_abandoned += 1
+                if self._pending.get(params.key) is job:
+                    del self._pending[params.key]
+                self._refused[params.key] = message
+                self._trim(self._refused)
+        return InvalidRequestError(params.param, message)
+
+    def _trim(self, table: OrderedDict) -> None:
+        while len(table) > self.cache_size:
+            table.popitem(last=False)
+
+    @property
+    def num_pending(self) -> int:
+        """Compiles queued or running now (abandoned ones included, until they end)."""
+        with self._lock:
+            return self._num_in_flight
+
+    def _compile_now(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """Compile on a worker; xgrammar's parse and schema errors become InvalidRequestError naming the field."""
+        try:
+            compiled = self._xgrammar_compile(params)
+        except (RuntimeError, ValueError, TypeError) as error:
+            raise InvalidRequestError(params.param, f"{params.param} does not compile: {_reason(error)}") from None
+        return CompiledGrammar(params.key, compiled, self.vocab_size)
+
+    def _xgrammar_compile(self, params: StructuredOutputsParams) -> Any:
         compiler, any_whitespace = self._compiler, not params.disable_any_whitespace
         kind = params.kind
         if kind == "json":
