@@ -106,3 +106,20 @@ def test_imported_blocks_are_held_then_cached() -> None:
     assert blocks.num_free_blocks == 8 and blocks.num_cached_tokens(tokens + [7]) == 6  # parked, still named
     with pytest.raises(ValueError, match="whole blocks"):
         blocks.import_prefix("z", [1, 2, 3])
+
+
+def test_the_fingerprint_reads_what_the_weights_are_not_how_they_are_kept() -> None:
+    """The bundled checkpoint quantized two ways has two fingerprints (before, only parameters were read: the
+    int8 and the GGUF models, whose weights are buffers, matched, and a consumer would decode on KV of other
+    weights); packed and unpacked, one (before, they never matched and every transfer was refused)."""
+    from llm_runtime import load_model
+    from llm_runtime.kv_transfer.payload import model_fingerprint
+    from llm_runtime.model.packed_linear import pack_linears_
+
+    plain, _ = load_model(None, dtype="float32")
+    unpacked = model_fingerprint(plain)
+    pack_linears_(plain)
+    assert model_fingerprint(plain) == unpacked
+    quantized = {q: model_fingerprint(load_model(None, dtype="bfloat16", quantization=q)[0]) for q in ("int8", "gguf")}
+    assert quantized["int8"] != quantized["gguf"]
+    assert unpacked not in quantized.values()

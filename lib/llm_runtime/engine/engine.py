@@ -588,11 +588,19 @@ class LLMEngine:
         """Take another engine's blocks into this pool and prefix cache, held until `release_import` (so a
         request whose prompt starts with their tokens finds them cached and computes only the rest). Returns the
         tokens written (blocks this cache held already are not). ValueError, and nothing taken, for a payload of
-        another layout (model, dtype, block size, pool storage or scales) or more blocks than are free."""
+        another layout (model, dtype, block size, pool storage or scales), of token ids this model has not or more
+        than its context, or of more blocks than are free."""
         self.check_kv_transfer()
         mismatch = self.kv_layout.mismatch(payload.layout)
         if mismatch is not None:
             raise ValueError(f"refused KV transfer {payload.transfer_id!r}: {mismatch}")
+        vocab_size = self.model.config.vocab_size
+        if payload.num_tokens >= self.max_model_len:
+            raise ValueError(f"refused KV transfer {payload.transfer_id!r}: {payload.num_tokens} tokens leave no room "
+                             f"in a context of {self.max_model_len}")
+        if not all(0 <= token < vocab_size for token in payload.token_ids):
+            raise ValueError(f"refused KV transfer {payload.transfer_id!r}: token ids outside the vocabulary "
+                             f"[0, {vocab_size})")
         if not self.block_manager.can_allocate(payload.token_ids):
             raise ValueError(f"refused KV transfer {payload.transfer_id!r}: {payload.num_blocks} blocks do not fit "
                              f"in the {self.block_manager.num_free_blocks} free")

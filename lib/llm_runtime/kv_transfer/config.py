@@ -8,6 +8,12 @@
 `kv_connector` names the transport; the one this package has is "ZmqConnector" (zmq_connector.py: ZeroMQ
 messages over TCP, as vLLM's P2P connectors use it for their control messages). Unknown fields are refused,
 so a misspelt one is not silently ignored.
+
+Whom a server trusts (trust.py): on loopback, the defaults. Beyond it, `kv_secret` (at least 16 characters; the
+command line reads LLM_RUNTIME_KV_SECRET when the JSON gives none, which keeps it out of `ps`), shared by the
+producers, the consumers and the router: messages and routed params are signed with it. A consumer bound beyond
+loopback without one refuses to start. `kv_trusted_producers` narrows a consumer to the producers at these
+addresses; `kv_consumers` ("host:port") are where a producer ships without the router's signature.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from .trust import SECRET_ENV, check_secret, is_loopback
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_CONNECTORS = ("ZmqConnector",)
@@ -33,6 +41,9 @@ class KVTransferConfig:
     # received blocks no request has claimed are held.
     kv_transfer_timeout_s: float = 30.0
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    kv_secret: str | None = field(default=None, repr=False)  # trust.py; never printed
+    kv_trusted_producers: tuple[str, ...] | None = None  # IP addresses a consumer takes KV from (None: any)
+    kv_consumers: tuple[str, ...] = ()  # "host:port" a producer ships to on an unsigned request
 
     def __post_init__(self) -> None:
         if self.kv_connector not in KV_CONNECTORS:
@@ -46,6 +57,22 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer_timeout_s must be a number of seconds > 0, got {timeout!r}")
         if not isinstance(self.kv_connector_extra_config, dict):
             raise ValueError("kv_connector_extra_config must be an object")
+        check_secret(self.kv_secret)
+        for name in ("kv_trusted_producers", "kv_consumers"):
+            value = getattr(self, name)
+            if value is None and name == "kv_trusted_producers":
+                continue
+            if not isinstance(value, (list, tuple)) or not all(isinstance(item, str) and item for item in value):
+                raise ValueError(f"{name} must be a list of addresses")
+            object.__setattr__(self, name, tuple(value))
+        if any(":" not in address or not address.rsplit(":", 1)[1].isdigit() for address in self.kv_consumers):
+            raise ValueError(f"kv_consumers are \"host:port\" addresses, got {list(self.kv_consumers)}")
+        if not isinstance(self.kv_ip, str) or not self.kv_ip:
+            raise ValueError(f"kv_ip must be an address, got {self.kv_ip!r}")
+        if self.is_consumer and not is_loopback(self.kv_ip) and self.kv_secret is None:
+            raise ValueError(f"a KV consumer receiving on {self.kv_ip}, beyond loopback, needs a kv_secret shared "
+                             f"with its producers and router (or {SECRET_ENV} in the environment): anyone who "
+                             f"reaches the port could otherwise write into its prefix cache")
 
     @property
     def is_producer(self) -> bool:
@@ -56,11 +83,15 @@ class KVTransferConfig:
         return self.kv_role in ("kv_consumer", "kv_both")
 
     @classmethod
-    def from_json(cls, text: str | dict[str, Any]) -> "KVTransferConfig":
-        """The config a JSON object (or a dict) gives; ValueError naming an unknown field or a bad value."""
-        values = json.loads(text) if isinstance(text, str) else dict(text)
+    def from_json(cls, text: str | dict[str, Any], secret: str | None = None) -> "KVTransferConfig":
+        """The config a JSON object (or a dict) gives; ValueError naming an unknown field or a bad value. `secret`:
+        the kv_secret to use when the JSON gives none (the command line passes LLM_RUNTIME_KV_SECRET's)."""
+        values = json.loads(text) if isinstance(text, str) else text
         if not isinstance(values, dict):
             raise ValueError("the KV transfer config must be a JSON object")
+        values = dict(values)
+        if values.get("kv_secret") is None and secret:
+            values["kv_secret"] = secret
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

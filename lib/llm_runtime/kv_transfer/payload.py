@@ -13,7 +13,12 @@ those tokens (engine/block_manager.py), so a request whose prompt starts with th
 its tail (at least its last token, whose logits it samples from) is computed there.
 
 On the wire (`to_frames` / `from_frames`): a JSON header, then the keys' bytes and the values' bytes, each one
-contiguous (layers, blocks, block_size, KV heads, head_dim) tensor: two large frames, no per-block framing.
+contiguous (layers, blocks, block_size, KV heads, head_dim) tensor: two large frames, no per-block framing (and,
+between servers that share a secret, a fourth frame: the MAC over the three, trust.py). The frames come from a
+socket, so `from_frames` trusts none of them: the header's size is bounded before it is parsed, every field is
+checked for its type and range, the frames' sizes are computed from the header and compared before any tensor is
+made, and whatever goes wrong is a ValueError that refuses this message alone. The tensors are views of the
+received frames, not copies: the only copy is the one into the pool.
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import re
+import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,20 +38,38 @@ import torch
 from ..attention.kv_cache import PagedKVCache
 
 _STORAGE = {str(dtype).removeprefix("torch."): dtype for dtype in (
-    torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn)}
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn)}
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
-    """A digest of a model's shape and of some of its weights' values: equal for two loads of one checkpoint
-    in one dtype, different for another checkpoint (or the same one quantized otherwise). It reads the first
-    row of every parameter, which is cheap and covers every tensor."""
-    digest = hashlib.sha256(repr(getattr(model, "config", None)).encode())
+    """A digest of a model's config and of what its weights are, read from its state dict one module at a time:
+    the entries a module saves say what its weights mean, not how it keeps them (a packed linear saves its plain
+    weight under its parts' names; a quantized layer its quantized values and scales; the GGUF's Q8_0 table its
+    blocks). So two loads of one checkpoint in one dtype and quantization match, packed or not; another checkpoint,
+    or the same one quantized otherwise (int8, int4, the GGUF's own blocks), does not. It reads the first, middle
+    and last row of every entry, which is cheap and covers every tensor."""
+    entries: list[tuple[str, bytes]] = []
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            row = parameter.detach().reshape(-1)[: parameter.shape[-1] if parameter.dim() else 1].cpu()
-            digest.update(name.encode() + str(tuple(parameter.shape)).encode() + str(parameter.dtype).encode())
-            digest.update(row.contiguous().view(torch.uint8).numpy().tobytes())
+        for prefix, module in model.named_modules():
+            saved: dict[str, Any] = {}
+            module._save_to_state_dict(saved, f"{prefix}." if prefix else "", keep_vars=True)  # its own entries
+            entries += [(name, _rows_digest(tensor)) for name, tensor in saved.items() if tensor is not None]
+    digest = hashlib.sha256(repr(getattr(model, "config", None)).encode())
+    for name, rows in sorted(entries):  # by name: a packed model's modules come in another order
+        digest.update(name.encode() + rows)
     return digest.hexdigest()[:32]
+
+
+def _rows_digest(tensor: torch.Tensor) -> bytes:
+    """A tensor's shape and dtype, and the bytes of its first, middle and last row (a vector whole)."""
+    tensor = tensor.detach()
+    header = f"{tuple(tensor.shape)} {tensor.dtype}".encode()
+    if tensor.dim() <= 1:
+        rows = [tensor.reshape(-1)]
+    else:
+        rows = [tensor[i].reshape(-1) for i in sorted({0, tensor.shape[0] // 2, tensor.shape[0] - 1})]
+    data = b"".join(row.cpu().contiguous().view(torch.uint8).numpy().tobytes() for row in rows)
+    return hashlib.sha256(header + data).digest()
 
 
 def scales_fingerprint(cache: PagedKVCache) -> str | None:
@@ -127,30 +154,80 @@ class KVPayload:
         return 2 * self.keys.numel() * self.keys.element_size()
 
     def to_frames(self) -> list[bytes | memoryview]:
-        """The payload as three frames: a JSON header, the keys' bytes, the values' bytes."""
+        """The payload as three frames: a JSON header (with the time it was sent), the keys' bytes, the values'."""
         header = {"transfer_id": self.transfer_id, "layout": dataclasses.asdict(self.layout),
-                  "token_ids": self.token_ids}
+                  "token_ids": self.token_ids, "sent_at": time.time()}
         return [json.dumps(header).encode(), _raw(self.keys), _raw(self.values)]
 
     @classmethod
-    def from_frames(cls, frames: list[Any]) -> "KVPayload":
-        """The payload `to_frames` made; ValueError for frames that are not one (a foreign or cut message)."""
+    def from_frames(cls, frames: list[Any], max_tokens: int | None = None) -> "KVPayload":
+        """The payload `to_frames` made; ValueError for frames that are not one (foreign, cut, malformed, or of
+        more than `max_tokens` tokens), whatever they hold."""
+        max_tokens = MAX_PAYLOAD_TOKENS if max_tokens is None else max_tokens
         if len(frames) != 3:
             raise ValueError(f"a KV payload is 3 frames, got {len(frames)}")
-        try:
-            header = json.loads(bytes(frames[0]))
-            layout = KVLayout(**header["layout"])
-            token_ids = [int(t) for t in header["token_ids"]]
-            transfer_id = str(header["transfer_id"])
-        except (ValueError, KeyError, TypeError) as error:
-            raise ValueError(f"a KV payload's header is not valid: {error}") from error
-        if layout.storage not in _STORAGE:
-            raise ValueError(f"a KV payload stored as {layout.storage!r}, which no pool holds")
+        header = read_header(frames[0], max_tokens)
+        transfer_id, layout = check_transfer_id(header["transfer_id"]), _layout(header["layout"])
+        token_ids = header["token_ids"]
+        if not isinstance(token_ids, list) or len(token_ids) > max_tokens:
+            raise ValueError(f"a KV payload's token_ids must be a list of at most {max_tokens} token ids")
+        if not all(type(t) is int and 0 <= t < _MAX_TOKEN_ID for t in token_ids):
+            raise ValueError("a KV payload's token_ids must be token ids (integers in [0, 2**31))")
+        if len(token_ids) % layout.block_size:
+            raise ValueError(f"a payload holds whole blocks: {len(token_ids)} tokens are not a multiple of the block "
+                             f"size {layout.block_size}")
         storage = _STORAGE[layout.storage]
-        shape = (layout.num_layers, len(token_ids) // max(layout.block_size, 1), layout.block_size,
-                 layout.num_kv_heads, layout.head_dim)
+        shape = (layout.num_layers, len(token_ids) // layout.block_size, layout.block_size, layout.num_kv_heads,
+                 layout.head_dim)
         keys, values = (_tensor(frame, storage, shape) for frame in frames[1:])
         return cls(transfer_id, layout, token_ids, keys, values)
+
+
+MAX_PAYLOAD_TOKENS = 1 << 20  # what a header may say at most when the receiver gives no bound of its own
+_MAX_TOKEN_ID = 1 << 31
+_MAX_TOKEN_ID_CHARS = 12  # "2147483647, "
+_MAX_HEADER_BYTES = 4096  # the header without its token ids
+_HEADER_KEYS = {"transfer_id", "layout", "token_ids", "sent_at"}
+_LAYOUT_SIZES = ("num_layers", "num_kv_heads", "head_dim", "block_size")
+_LAYOUT_NAMES = ("model", "dtype", "storage", "kv_cache_dtype")
+_TRANSFER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def read_header(frame: Any, max_tokens: int) -> dict[str, Any]:
+    """A payload's header frame as a dict of the keys a header has (its size bounded before it is parsed)."""
+    size = memoryview(frame).nbytes
+    if size > _MAX_HEADER_BYTES + _MAX_TOKEN_ID_CHARS * max_tokens:
+        raise ValueError(f"a KV payload's header of {size} bytes is larger than any of {max_tokens} tokens")
+    try:
+        header = json.loads(bytes(frame))
+    except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
+        raise ValueError(f"a KV payload's header is not valid JSON: {error}") from None
+    if not isinstance(header, dict) or not {"transfer_id", "layout", "token_ids"} <= set(header) <= _HEADER_KEYS:
+        raise ValueError(f"a KV payload's header is not valid: it must hold {sorted(_HEADER_KEYS)} (sent_at optional)")
+    return header
+
+
+def check_transfer_id(value: object) -> str:
+    """`value` if it is a transfer id (1 to 128 letters, digits and `._:-`); else ValueError."""
+    if not isinstance(value, str) or not _TRANSFER_ID.fullmatch(value):
+        raise ValueError("a transfer_id must be 1 to 128 letters, digits or '._:-'")
+    return value
+
+
+def _layout(value: object) -> KVLayout:
+    """A KVLayout from a header's JSON, every field checked for its type and range."""
+    fields = {field.name for field in dataclasses.fields(KVLayout)}
+    if not isinstance(value, dict) or set(value) != fields:
+        raise ValueError(f"a KV payload's layout must hold exactly the fields {sorted(fields)}")
+    for name in _LAYOUT_SIZES:
+        if type(value[name]) is not int or not 1 <= value[name] <= 1 << 16:
+            raise ValueError(f"a KV payload's layout.{name} must be an integer in [1, 65536], got {value[name]!r}")
+    for name in (*_LAYOUT_NAMES, "scales"):
+        if not (isinstance(value[name], str) and len(value[name]) <= 64 or name == "scales" and value[name] is None):
+            raise ValueError(f"a KV payload's layout.{name} must be a string of at most 64 characters")
+    if value["storage"] not in _STORAGE:
+        raise ValueError(f"a KV payload stored as {value['storage']!r}, which no pool holds")
+    return KVLayout(**value)
 
 
 def _raw(tensor: torch.Tensor) -> memoryview:
@@ -159,13 +236,16 @@ def _raw(tensor: torch.Tensor) -> memoryview:
 
 
 def _tensor(frame: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A view of a received frame's bytes as a (shape) tensor, once its size is the one `shape` says."""
     data = memoryview(frame).cast("B")
-    expected = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if data.nbytes != expected:
         raise ValueError(f"a KV payload's frame holds {data.nbytes} bytes; its header says {expected}")
     if expected == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+    with warnings.catch_warnings():  # a read-only frame: the tensor is only read (copied into the pool)
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
 
 
 def read_blocks(cache: PagedKVCache, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -130,6 +130,8 @@ class AsyncLLMEngine:
         self.kv_transfer = kv_transfer
         self._transfers: dict[str, TransferParams] = {}  # request id -> its kv_transfer_params
         self._awaiting_kv: list[tuple[EngineRequest, float]] = []  # (request, deadline): blocks still to come
+        self._discards: list[str] = []  # transfers whose requests were refused: their blocks go between steps
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.feed = feed if feed is not None else EngineFeed(engine)
 
     # ------------------------------------------------------------------ life cycle
@@ -137,6 +139,7 @@ class AsyncLLMEngine:
         if self._task is not None:
             raise RuntimeError("the engine loop is already running")
         self._wakeup = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
         if self._step_executor is None:
             self._step_executor = step_thread()
         # One thread: the tokenizer is not safe to share between threads that encode at once.
@@ -169,6 +172,17 @@ class AsyncLLMEngine:
     @property
     def is_running(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    @property
+    def is_full(self) -> bool:
+        """Whether a new request would be refused as busy now (`max_waiting_requests`)."""
+        return self.num_waiting >= self.max_waiting_requests
+
+    def wake(self) -> None:
+        """Wake the loop from any thread (the KV receiver's, when a payload waits to be taken in)."""
+        loop, wakeup = self._loop, self._wakeup
+        if loop is not None and wakeup is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(wakeup.set)
 
     @property
     def num_waiting(self) -> int:
@@ -210,19 +224,30 @@ class AsyncLLMEngine:
             raise InvalidRequestError("kv_transfer_params", "this server takes no part in KV transfer (start it "
                                                             "with --kv-transfer-config)")
         try:
-            params = TransferParams.parse(kv_transfer_params)
-            self.kv_transfer.check_role(params)
+            params = self.kv_transfer.parse(kv_transfer_params)
         except ValueError as error:
             raise InvalidRequestError("kv_transfer_params", str(error)) from error
         if count != 1:
+            self._refused_transfer(params)
             raise InvalidRequestError("kv_transfer_params", "a KV transfer is for one prompt")
         return params
+
+    def _refused_transfer(self, params: TransferParams | None) -> None:
+        """A request that would have claimed received blocks was refused: they go at the next step boundary."""
+        if params is not None and params.remote_prefill:
+            self._discards.append(params.transfer_id)
+            if self._wakeup is not None:
+                self._wakeup.set()
 
     async def _add(self, count: int, request_ids: Sequence[str] | None,
                    process: Callable[[list[str]], list[EngineRequest]],
                    kv_transfer_params: dict | None = None) -> list[RequestStream]:
         transfer = self._transfer_params(count, kv_transfer_params)
-        streams = self._reserve(count, request_ids)
+        try:
+            streams = self._reserve(count, request_ids)
+        except BaseException:
+            self._refused_transfer(transfer)
+            raise
         ids = [stream.request_id for stream in streams]
         self._num_processing += count
         try:
@@ -235,6 +260,7 @@ class AsyncLLMEngine:
             for request_id in ids:
                 self._streams.pop(request_id, None)
                 self._aborts.discard(request_id)
+            self._refused_transfer(transfer)
             raise
         finally:
             self._num_processing -= count
@@ -303,6 +329,10 @@ class AsyncLLMEngine:
                     future.set_result(self.engine.reset_prefix_cache())
                 except Exception as error:  # the caller's to see, never the loop's end
                     future.set_exception(error)
+        discards, self._discards = self._discards, []
+        for transfer_id in discards:
+            assert self.kv_transfer is not None
+            self.kv_transfer.discard(transfer_id)
         aborts, self._aborts = self._aborts, set()
         queued = {r.request_id for r in self._new} | {r.request_id for r, _ in self._awaiting_kv}
         new, self._new = [r for r in self._new if r.request_id not in aborts], []
@@ -327,6 +357,8 @@ class AsyncLLMEngine:
                 self.engine.add_processed(request)
             except Exception as error:
                 logger.exception("adding request %s failed; ending its stream", request.request_id)
+                if self.kv_transfer is not None:  # the blocks it claimed go, and nothing is shipped for it
+                    self.kv_transfer.forget(request.request_id)
                 stream = self._streams.pop(request.request_id, None)
                 if stream is not None:
                     stream._queue.put_nowait(error)
@@ -348,7 +380,7 @@ class AsyncLLMEngine:
                 if not agent.ready(transfer.transfer_id):
                     logger.warning("request %s: no KV for transfer %s within %.0f s; computing its prompt",
                                    request.request_id, transfer.transfer_id, agent.config.kv_transfer_timeout_s)
-                agent.claim(request.request_id, transfer.transfer_id)
+                agent.claim(request.request_id, transfer, request.prompt_token_ids)
                 ready.append(request)
             else:
                 self._awaiting_kv.append((request, deadline))
@@ -358,14 +390,27 @@ class AsyncLLMEngine:
                 agent.expect(request.request_id, transfer)
         return ready
 
-    def _step(self) -> list[RequestOutput]:
-        """One engine step, with the agent's work around it (on the step thread)."""
+    def _step(self, admit_kv: bool = True) -> list[RequestOutput]:
+        """One engine step, with the agent's work around it (on the step thread). `admit_kv`: take in received
+        blocks (False while the server refuses requests as busy: the blocks' requests would be refused too)."""
         if self.kv_transfer is None:
             return self.engine.step()
-        self.kv_transfer.before_step()
+        self.kv_transfer.before_step(admit=admit_kv)
         outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
         self.kv_transfer.after_step(outputs)
         return outputs
+
+    def _kv_due_in(self) -> float | None:
+        """Seconds until the agent has work while the engine is idle (0: now), or None: none is due."""
+        agent = self.kv_transfer
+        if agent is None:
+            return None
+        if agent.receiver is not None and agent.receiver.num_waiting:
+            return 0.0
+        due = [deadline - time.monotonic() for _, deadline in self._awaiting_kv]
+        expiry = agent.seconds_to_next_expiry()
+        due += [] if expiry is None else [expiry]
+        return max(0.0, min(due)) if due else None
 
     def _take_snapshot(self) -> EngineSnapshot:
         return EngineSnapshot(self.engine.stats(), self.engine.num_unfinished_requests())
@@ -391,14 +436,15 @@ class AsyncLLMEngine:
                 self.feed.observe()
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.clear()
-                    if self._awaiting_kv:  # take in what arrived, and look again shortly
-                        await loop.run_in_executor(self._step_executor, self._step)
+                    due = self._kv_due_in()
+                    if due == 0.0:  # take in what arrived, let go of what waited too long (an idle server too)
+                        await loop.run_in_executor(self._step_executor, self._step, not self.is_full)
+                    elif not (self._new or self._aborts or self._resets or self._discards or self.feed.wants_state):
+                        # Until a request, an abort, a payload (the receiver wakes the loop) or the next expiry.
                         with contextlib.suppress(asyncio.TimeoutError):
-                            await asyncio.wait_for(self._wakeup.wait(), timeout=0.005)
-                    elif not self._new and not self._aborts and not self._resets and not self.feed.wants_state:
-                        await self._wakeup.wait()
+                            await asyncio.wait_for(self._wakeup.wait(), timeout=due)
                     continue
-                outputs = await loop.run_in_executor(self._step_executor, self._step)
+                outputs = await loop.run_in_executor(self._step_executor, self._step, not self.is_full)
                 self.snapshot = self._take_snapshot()
                 self.feed.observe(outputs, stepped=True)
                 for output in outputs:

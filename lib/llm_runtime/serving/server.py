@@ -172,7 +172,9 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
     """The FastAPI app; the engine loop starts and stops with it. `step_executor`: the thread that built
     the engine, to step on (async_engine.py says why). `kv_transfer_config`: this server's part in
     disaggregated prefill and decode (kv_transfer/, lesson 18)."""
-    agent = KVTransferAgent(engine, kv_transfer_config) if kv_transfer_config is not None else None
+    # The receiver's thread wakes the loop when blocks arrive, so an idle server takes them in (and expires them).
+    agent = KVTransferAgent(engine, kv_transfer_config, on_message=lambda: async_engine.wake()) \
+        if kv_transfer_config is not None else None
     async_engine = AsyncLLMEngine(engine, max_waiting_requests, step_executor=step_executor, kv_transfer=agent,
                                   feed=EngineFeed(engine, model_name))
     metrics = ServerMetrics(async_engine)
