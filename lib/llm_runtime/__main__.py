@@ -24,13 +24,22 @@ SERVE_SHAPE_CACHE_CAPACITY = 64
 
 
 def _kv_transfer_config(text: str):
-    """`--kv-transfer-config JSON` -> KVTransferConfig (argparse reports a ValueError as a usage error)."""
+    """`--kv-transfer-config JSON` -> KVTransferConfig (argparse reports a ValueError as a usage error), its
+    kv_secret from LLM_RUNTIME_KV_SECRET when the JSON gives none (a secret in the environment stays out of `ps`)."""
     from .kv_transfer.config import KVTransferConfig
+    from .kv_transfer.trust import SECRET_ENV
 
     try:
-        return KVTransferConfig.from_json(text)
+        return KVTransferConfig.from_json(text, secret=os.environ.get(SECRET_ENV))
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from error
+
+
+def _api_key(given: str | None) -> str | None:
+    """--api-key's value, else LLM_RUNTIME_API_KEY's (as vLLM reads VLLM_API_KEY), else None: no key asked."""
+    from .serving.middleware import API_KEY_ENV
+
+    return given if given is not None else os.environ.get(API_KEY_ENV) or None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--kv-transfer-config", type=_kv_transfer_config, default=None, metavar="JSON",
                      help='disaggregated prefill and decode, as vLLM takes it: \'{"kv_connector": "ZmqConnector", '
                           '"kv_role": "kv_producer"}\' (or kv_consumer, kv_both; lesson 18)')
+    srv.add_argument("--api-key", default=None,
+                     help="a bearer token every /v1 route asks for (or LLM_RUNTIME_API_KEY; default: none asked)")
+    srv.add_argument("--enable-dev-routes", action="store_true",
+                     help="serve the routes that change the server's state for a measurement (POST "
+                          "/reset_prefix_cache), as vLLM's development mode does; never on a shared address")
     srv.add_argument("--check-invariants", action="store_true", help="check the scheduler's books every step")
     srv.add_argument("--shape-cache-capacity", type=int, default=SERVE_SHAPE_CACHE_CAPACITY,
                      help="shapes oneDNN and ideep keep compiled primitives for, each (engine/host_memory.py)")
@@ -99,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     rtr.add_argument("--policy", default="round_robin", choices=("round_robin", "least_loaded", "cache_aware"))
     rtr.add_argument("--host", default="127.0.0.1")
     rtr.add_argument("--port", type=int, default=8080)
+    rtr.add_argument("--api-key", default=None,
+                     help="a bearer token clients must send (or LLM_RUNTIME_API_KEY; default: none asked)")
+    rtr.add_argument("--backend-api-key", default=None, help="the bearer token sent to the backends "
+                                                             "(default: --api-key's)")
+    rtr.add_argument("--max-request-bytes", type=int, default=2 * 2**20, help="larger bodies get 413")
     args = parser.parse_args(argv)
 
     if args.command == "prepare":
@@ -116,10 +135,15 @@ def main(argv: list[str] | None = None) -> int:
         return decode_roofline.run(args)
 
     if args.command == "router":
+        from .kv_transfer.trust import SECRET_ENV, check_secret
         from .serving.router import run_router
 
         try:
-            run_router(args.prefill, args.decode, args.replica, args.policy, args.host, args.port)
+            secret = os.environ.get(SECRET_ENV) or None  # signs the kv_transfer_params it sets (kv_transfer/trust.py)
+            check_secret(secret)
+            run_router(args.prefill, args.decode, args.replica, args.policy, args.host, args.port, kv_secret=secret,
+                       api_key=_api_key(args.api_key), backend_api_key=args.backend_api_key,
+                       max_request_bytes=args.max_request_bytes)
         except ValueError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
@@ -161,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         name = args.served_model_name or (str(args.model).rstrip("/").split("/")[-1] if args.model
                                           else BUNDLED_MODEL_NAME)
         serve(engine, name, args.host, args.port, args.max_waiting_requests, args.max_request_bytes, executor,
-              args.kv_transfer_config)
+              args.kv_transfer_config, _api_key(args.api_key), args.enable_dev_routes)
         return 0
 
     from . import LLM, SamplingParams, encode_chat, generate, load_model

@@ -18,14 +18,15 @@ TEST_KV_MEMORY = 128 << 20
 
 
 @contextmanager
-def bundled_server(bundled, **engine_options) -> Iterator[tuple[str, object, object]]:
-    """(base URL, engine, app) of a server over the bundled model, for a test module's lifetime."""
+def bundled_server(bundled, app_options: dict | None = None, **engine_options) -> Iterator[tuple[str, object, object]]:
+    """(base URL, engine, app) of a server over the bundled model, for a test module's lifetime (`app_options`: for
+    create_app)."""
     from llm_runtime import EngineConfig, LLMEngine
     from llm_runtime.serving.server import create_app
 
     model, tokenizer = bundled
     engine = LLMEngine(model, tokenizer, EngineConfig(**{"kv_cache_memory": TEST_KV_MEMORY, **engine_options}))
-    app = create_app(engine, MODEL_NAME)
+    app = create_app(engine, MODEL_NAME, **(app_options or {}))
     try:
         with running(app) as base:
             yield base, engine, app

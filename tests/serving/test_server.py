@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(bundled):
-    with bundled_server(bundled, max_num_seqs=32, max_num_batched_tokens=512) as running_server:
+    with bundled_server(bundled, {"enable_dev_routes": True}, max_num_seqs=32,
+                        max_num_batched_tokens=512) as running_server:
         yield running_server
 
 

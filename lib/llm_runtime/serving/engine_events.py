@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -38,6 +39,8 @@ from ..config import SpeculativeConfig
 from ..engine.engine import LLMEngine
 from ..engine.outputs import RequestOutput
 from ..engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["BLOCK_STATES", "EngineFeed", "Subscription"]
 
@@ -111,6 +114,7 @@ class EngineFeed:
         self.subscribers: list[Subscription] = []
         self.num_events = 0  # state events built
         self.num_dropped = 0  # subscribers dropped for not keeping up
+        self.num_failures = 0  # times building events failed (every view then ended)
         self.closed = False  # the server is stopping: every stream has ended, and new ones end at once
         self._steps: list[dict[str, Any]] = []  # steps since the last state event
         self._finished: list[dict[str, Any]] = []  # requests finished since the last state event
@@ -170,7 +174,20 @@ class EngineFeed:
 
     # ------------------------------------------------------------------ the loop calls these
     def observe(self, outputs: Iterable[RequestOutput] = (), stepped: bool = False) -> None:
-        """After a step (`stepped`, with its outputs) or between steps: record, and publish when it is time."""
+        """After a step (`stepped`, with its outputs) or between steps: record, and publish when it is time. It runs
+        in the engine's loop, so whatever fails here ends the live views (each reconnects and starts again from a
+        hello), never the loop: watching is never what stops the serving."""
+        try:
+            self._observe(outputs, stepped)
+        except Exception:  # noqa: BLE001 - a bug in building events costs the views, not the requests
+            logger.exception("building the live feed's events failed; ending its streams")
+            self.num_failures += 1
+            for subscription in list(self.subscribers):
+                self.unsubscribe(subscription)
+            self._awaiting_state = False
+            self._steps, self._finished, self._reasons = [], [], {}
+
+    def _observe(self, outputs: Iterable[RequestOutput], stepped: bool) -> None:
         if not self.subscribers:  # (and nothing kept for a later subscriber: it starts from the state it finds)
             self._awaiting_state = False
             self._steps, self._finished, self._reasons = [], [], {}

@@ -7,7 +7,11 @@ Disaggregated (`--prefill` and `--decode`, each one or more servers started with
 request goes first to a prefill server with one token to generate and `kv_transfer_params` that tell it to ship
 the prompt's KV blocks to the chosen decode server (its receiving address, from `GET /v1/kv_transfer`), then to
 that decode server, whose answer, streamed or not, is the client's (vLLM's disaggregation proxy works the same
-way). Replicas (`--replica`): each request goes to one server, by `--policy`:
+way). A completion request of several prompts is split into one pair of legs per prompt, run at once, and their
+answers merged into one (choices in prompt order, usage summed; streamed, their events interleaved as they come).
+The prefill leg asks only for the prompt's KV: the client's sampling fields that shape the output (min_tokens,
+logprobs, echo) are left to the decode leg. Replicas (`--replica`): each request goes to one server, by
+`--policy`:
 
 - `round_robin`: in turn;
 - `least_loaded`: the one with the fewest requests in flight through this router;
@@ -17,11 +21,20 @@ way). Replicas (`--replica`): each request goes to one server, by `--policy`:
   longest run of its chunks was sent before, when that covers at least `MIN_MATCH` of it, else to the least
   loaded replica (a prompt no replica has seen spreads the load).
 
-Health: every backend's `/health` is polled; one that fails it, or refuses a connection, leaves the rotation
-until it answers again, and the requests in flight to it end at once with a 502 (a prefill is tried again on
-another healthy prefill server first: it has no effect a client sees). With no healthy backend of a
-kind a request needs, the answer is 503. A client that disconnects closes the router's connection to the backend,
-which aborts the request there. `/metrics` counts requests and errors per backend.
+`kv_transfer_params` are the router's to set, never a client's: whatever a client sends under that name is
+dropped, and with a KV secret (LLM_RUNTIME_KV_SECRET, shared with the servers: kv_transfer/trust.py) the router
+signs the ones it sets, so the servers honour only those.
+
+Health: every backend's `/health` is polled each second. A backend that refuses the connection is gone: it leaves
+the rotation at once and the requests in flight to it end with a 502 (a prefill is tried again on another
+healthy prefill server first: it has no effect a client sees). One that misses a probe (too slow to answer, or
+not 200) stays in rotation until it has missed `MISSED_PROBES` in a row: a loaded server answers late, and its
+requests in flight are left to finish. A decode server's receiving address is read again at every probe (a
+restarted server may receive elsewhere; one bound to every interface is reached at its URL's host). With no
+healthy backend of a kind a request needs, the answer is 503. A client that disconnects closes the router's
+connection to the backend, which aborts the request there. `/metrics` counts requests and errors per backend.
+Bodies are bounded (413 past `max_request_bytes`), and `--api-key` asks clients for a bearer token as `serve`'s
+does (`--backend-api-key`: the one the router sends its backends, by default the same).
 """
 
 from __future__ import annotations
@@ -34,15 +47,19 @@ import json
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Container, Sequence
+from collections.abc import AsyncIterator, Awaitable, Container, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+
+from ..kv_transfer.trust import is_unspecified, sign_params
+from .middleware import ApiKeyCheck, BodyLimit
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +68,13 @@ CHUNK = 64  # characters per hashed chunk of a prompt (cache_aware)
 MIN_MATCH = 0.5  # the share of a prompt a replica must have seen for cache_aware to prefer it over the least loaded
 MAX_REMEMBERED = 50_000  # chunk hashes remembered per replica, least recently used forgotten first
 HEALTH_INTERVAL_S = 1.0
+HEALTH_TIMEOUT_S = 2.0
+MISSED_PROBES = 3  # probes in a row a backend may miss (late, or not 200) before it leaves the rotation
+DEFAULT_MAX_REQUEST_BYTES = 2 * 2**20
 WENT_DOWN = "the backend went down"  # the message of a cancellation by mark_down (any other is passed on)
+# What only shapes the output: the prefill leg, which generates one token to be thrown away, leaves these out.
+OUTPUT_ONLY_FIELDS = ("min_tokens", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "stream_options")
+T = TypeVar("T")
 
 
 def _error(status: int, message: str, kind: str = "server_error") -> JSONResponse:
@@ -65,6 +88,7 @@ class Backend:
     url: str
     role: str  # "prefill", "decode" or "replica"
     healthy: bool = True
+    missed: int = 0  # probes missed in a row
     in_flight: int = 0
     kv_address: tuple[str, int] | None = None  # a decode server's: where it receives KV blocks
     tasks: set[asyncio.Task] = field(default_factory=set)  # requests in flight (cancelled if it goes down)
@@ -76,6 +100,14 @@ def prompt_text(body: dict[str, Any]) -> str:
     if "messages" in body:
         return json.dumps(body["messages"], sort_keys=True, ensure_ascii=False)
     return json.dumps(body.get("prompt"), ensure_ascii=False)
+
+
+def split_prompts(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A completion body of several prompts as one body per prompt (a chat, or one prompt: the body alone). A
+    prompt is a string or a list of token ids; several are a list of those."""
+    prompt = body.get("prompt")
+    several = isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt)
+    return [{**body, "prompt": one} for one in prompt] if several else [body]
 
 
 def chunk_hashes(text: str) -> list[bytes]:
@@ -99,6 +131,18 @@ def cache_aware_choice(hashes: Sequence[bytes], remembered: Sequence[Container[b
         if match > best_match:
             best, best_match = index, match
     return best if best_match > 0 and best_match >= min_match * len(hashes) else least
+
+
+def merge_answers(answers: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Completions of one prompt each as one completion of them all: choices in prompt order, usage summed."""
+    merged = {**answers[0], "choices": []}
+    for index, answer in enumerate(answers):
+        merged["choices"] += [{**choice, "index": index} for choice in answer.get("choices", [])]
+    usages = [answer["usage"] for answer in answers if isinstance(answer.get("usage"), dict)]
+    if usages:
+        merged["usage"] = {name: sum(u.get(name) or 0 for u in usages)
+                           for name in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return merged
 
 
 class Pool:
@@ -153,248 +197,438 @@ class BackendFailed(Exception):
         self.backend = backend
 
 
-def create_router(prefill: list[str] = (), decode: list[str] = (), replicas: list[str] = (),
-                  policy: str = "round_robin", request_timeout_s: float = 600.0) -> FastAPI:
-    """The router's app (module docstring): `prefill` and `decode` URLs together, or `replicas`."""
-    if bool(prefill) != bool(decode):
-        raise ValueError("disaggregated serving needs both --prefill and --decode servers")
-    if bool(prefill) == bool(replicas):
-        raise ValueError("give --prefill and --decode servers, or --replica servers (not both)")
-    prefill_pool = Pool([Backend(u.rstrip("/"), "prefill") for u in prefill], policy)
-    decode_pool = Pool([Backend(u.rstrip("/"), "decode") for u in decode], policy)
-    replica_pool = Pool([Backend(u.rstrip("/"), "replica") for u in replicas], policy)
-    everyone = prefill_pool.backends + decode_pool.backends + replica_pool.backends
-    metrics = RouterMetrics()
-    timeout = httpx.Timeout(request_timeout_s, connect=2.0)
-    state: dict[str, Any] = {}
+class Router:
+    """The pools, the health checks and the forwarding behind the router's routes (module docstring)."""
 
-    async def check(backend: Backend) -> None:
-        client: httpx.AsyncClient = state["client"]
-        try:
-            healthy = (await client.get(f"{backend.url}/health", timeout=2.0)).status_code == 200
-            if healthy and backend.role == "decode" and backend.kv_address is None:
-                info = (await client.get(f"{backend.url}/v1/kv_transfer", timeout=2.0)).json()
-                backend.kv_address = (info["kv_ip"], info["kv_port"]) if info.get("kv_port") else None
-                healthy = backend.kv_address is not None
-        except (httpx.HTTPError, ValueError, KeyError):
-            healthy = False
-        if backend.healthy and not healthy:
-            mark_down(backend, "it failed its health check")
-        backend.healthy = healthy
+    def __init__(self, prefill: Sequence[str] = (), decode: Sequence[str] = (), replicas: Sequence[str] = (),
+                 policy: str = "round_robin", request_timeout_s: float = 600.0, *, kv_secret: str | None = None,
+                 backend_api_key: str | None = None) -> None:
+        if bool(prefill) != bool(decode):
+            raise ValueError("disaggregated serving needs both --prefill and --decode servers")
+        if bool(prefill) == bool(replicas):
+            raise ValueError("give --prefill and --decode servers, or --replica servers (not both)")
+        self.prefill = Pool([Backend(u.rstrip("/"), "prefill") for u in prefill], policy)
+        self.decode = Pool([Backend(u.rstrip("/"), "decode") for u in decode], policy)
+        self.replicas = Pool([Backend(u.rstrip("/"), "replica") for u in replicas], policy)
+        self.everyone = self.prefill.backends + self.decode.backends + self.replicas.backends
+        self.metrics = RouterMetrics()
+        self.kv_secret = kv_secret
+        self._timeout = httpx.Timeout(request_timeout_s, connect=2.0)
+        self._headers = {"Authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
+        self._client: httpx.AsyncClient | None = None
 
-    def mark_down(backend: Backend, why: str) -> None:
-        if backend.healthy:
-            logger.warning("backend %s is out of rotation: %s", backend.url, why)
-        backend.healthy = False
-        for task in list(backend.tasks):  # nothing waits on a server that is gone
-            task.cancel(msg=WENT_DOWN)
+    @property
+    def client(self) -> httpx.AsyncClient:
+        assert self._client is not None, "the router is not started"
+        return self._client
 
-    async def watch() -> None:
-        while True:
-            await asyncio.gather(*(check(b) for b in everyone))
-            await asyncio.sleep(HEALTH_INTERVAL_S)
-
+    # ------------------------------------------------------------------ life cycle and health
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state["client"] = httpx.AsyncClient(timeout=timeout)
-        await asyncio.gather(*(check(b) for b in everyone))
-        watcher = asyncio.create_task(watch())
+    async def running(self) -> AsyncIterator[None]:
+        self._client = httpx.AsyncClient(timeout=self._timeout, headers=self._headers)
+        await asyncio.gather(*(self.check(b) for b in self.everyone))
+        watcher = asyncio.create_task(self._watch())
         try:
             yield
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
-            await state["client"].aclose()
+            await self._client.aclose()
 
-    app = FastAPI(title="llm_runtime router", lifespan=lifespan)
-    app.state.pools = {"prefill": prefill_pool, "decode": decode_pool, "replica": replica_pool}
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.gather(*(self.check(b) for b in self.everyone))
+            await asyncio.sleep(HEALTH_INTERVAL_S)
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        pools = [prefill_pool, decode_pool] if prefill_pool.backends else [replica_pool]
-        if all(pool.healthy() for pool in pools):
-            return JSONResponse({"status": "ok"})
-        return _error(503, "no healthy backend for some kind of request")
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        pool = decode_pool if decode_pool.backends else replica_pool
-        backend = pool.choose("")
-        if backend is None:
-            return _error(503, "no healthy backend")
+    async def check(self, backend: Backend) -> None:
+        """One probe of `backend` (module docstring: gone at once on a refused connection, out of rotation after
+        MISSED_PROBES missed ones)."""
         try:
-            answer = await state["client"].get(f"{backend.url}/v1/models")
-        except httpx.HTTPError as error:
-            mark_down(backend, str(error))
-            return _error(502, f"the backend {backend.url} failed: {error}")
-        return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+            answer = await self.client.get(f"{backend.url}/health", timeout=HEALTH_TIMEOUT_S)
+            missed = None if answer.status_code == 200 else f"/health answered {answer.status_code}"
+            if missed is None and backend.role == "decode":
+                info = (await self.client.get(f"{backend.url}/v1/kv_transfer", timeout=HEALTH_TIMEOUT_S)).json()
+                backend.kv_address = self._kv_address(backend, info)  # again at every probe: it may have restarted
+                missed = None if backend.kv_address is not None else "it does not receive KV blocks"
+        except httpx.ConnectError as error:  # nothing listens: the server is gone
+            backend.missed = MISSED_PROBES
+            self.mark_down(backend, f"it refused the connection ({error})", cancel=True)
+            return
+        except (httpx.HTTPError, ValueError, TypeError, KeyError) as error:
+            missed = f"{type(error).__name__}: {error}"
+        if missed is None:
+            if not backend.healthy:
+                logger.warning("backend %s is back in rotation", backend.url)
+            backend.missed, backend.healthy = 0, True
+            return
+        backend.missed += 1
+        if backend.missed >= MISSED_PROBES:
+            self.mark_down(backend, f"it missed {backend.missed} health checks in a row, the last: {missed}",
+                           cancel=False)
 
-    async def post(backend: Backend, path: str, body: dict[str, Any]) -> httpx.Response:
+    @staticmethod
+    def _kv_address(backend: Backend, info: object) -> tuple[str, int] | None:
+        """Where a decode server receives KV, from its `/v1/kv_transfer` answer: an address bound on every interface
+        (0.0.0.0) is reached at the host of the server's own URL."""
+        if not isinstance(info, dict):
+            return None
+        host, port = info.get("kv_ip"), info.get("kv_port")
+        if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int) or port <= 0:
+            return None
+        if is_unspecified(host):
+            host = urlsplit(backend.url).hostname or host
+        return host, port
+
+    def mark_down(self, backend: Backend, why: str, cancel: bool) -> None:
+        """Out of rotation; `cancel`: the server is gone, so nothing waits on it (its requests in flight end)."""
+        if backend.healthy:
+            logger.warning("backend %s is out of rotation: %s", backend.url, why)
+        backend.healthy = False
+        if cancel:
+            for task in list(backend.tasks):
+                task.cancel(msg=WENT_DOWN)
+
+    # ------------------------------------------------------------------ forwarding
+    async def post(self, backend: Backend, path: str, body: dict[str, Any]) -> httpx.Response:
         """A whole response from a backend (a 5xx counted as an error); BackendFailed when none can be had: the
-        connection failed or timed out, or the backend was taken out of rotation meanwhile."""
-        metrics.requests.labels(backend.url, backend.role).inc()
+        connection failed or timed out, or the backend went away meanwhile."""
+        self.metrics.requests.labels(backend.url, backend.role).inc()
         backend.in_flight += 1
         task = asyncio.current_task()
         assert task is not None
         backend.tasks.add(task)
         try:
-            answer = await state["client"].post(f"{backend.url}{path}", json=body)
+            answer = await self.client.post(f"{backend.url}{path}", json=body)
         except asyncio.CancelledError as error:
             if error.args != (WENT_DOWN,):  # the client left, or the router stops
                 raise
             task.uncancel()
             raise BackendFailed(backend, f"the backend {backend.url} went down") from None
         except httpx.HTTPError as error:
-            metrics.errors.labels(backend.url, backend.role).inc()
+            self.metrics.errors.labels(backend.url, backend.role).inc()
             backend.tasks.discard(task)  # its own failure: not cancelled by mark_down below
             if isinstance(error, (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)):
-                mark_down(backend, str(error))
+                self.mark_down(backend, str(error), cancel=True)
             raise BackendFailed(backend, f"the backend {backend.url} failed: {type(error).__name__}: {error}") from error
         finally:
             backend.in_flight -= 1
             backend.tasks.discard(task)
         if answer.status_code >= 500 and answer.status_code != 503:
-            metrics.errors.labels(backend.url, backend.role).inc()
+            self.metrics.errors.labels(backend.url, backend.role).inc()
         return answer
 
-    async def relay(backend: Backend, path: str, body: dict[str, Any], request: Request) -> Response:
-        """The backend's answer to the client: streamed through as it comes, or whole."""
-        if not body.get("stream"):
-            work = asyncio.create_task(post(backend, path, body))
-
-            async def gone() -> None:
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
-
-            watching = asyncio.create_task(gone())
-            await asyncio.wait({work, watching}, return_when=asyncio.FIRST_COMPLETED)
-            watching.cancel()
-            if not work.done():  # the client left: closing our connection aborts the request upstream
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError, BackendFailed):
-                    await work
-                return Response(status_code=499)
-            try:
-                answer = work.result()
-            except BackendFailed as error:
-                return _error(502, str(error))
-            return Response(answer.content, status_code=answer.status_code, media_type="application/json")
-        return await stream(backend, path, body)
-
-    async def stream(backend: Backend, path: str, body: dict[str, Any]) -> Response:
-        client: httpx.AsyncClient = state["client"]
-        metrics.requests.labels(backend.url, backend.role).inc()
+    async def events(self, backend: Backend, path: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        """A streamed answer's raw bytes, as they come; a backend that fails mid-stream ends it with an error event
+        and `[DONE]`, as a server's own failed stream ends. An answer that is not 200 is its JSON, whole."""
+        self.metrics.requests.labels(backend.url, backend.role).inc()
         try:
-            upstream = await client.send(client.build_request("POST", f"{backend.url}{path}", json=body), stream=True)
+            upstream = await self.client.send(self.client.build_request("POST", f"{backend.url}{path}", json=body),
+                                              stream=True)
         except httpx.HTTPError as error:
-            metrics.errors.labels(backend.url, backend.role).inc()
-            mark_down(backend, str(error))
-            return _error(502, f"the backend {backend.url} failed: {type(error).__name__}: {error}")
+            self.metrics.errors.labels(backend.url, backend.role).inc()
+            self.mark_down(backend, str(error), cancel=True)
+            raise BackendFailed(backend, f"the backend {backend.url} failed: {type(error).__name__}: {error}") \
+                from error
         if upstream.status_code != 200:
             content = await upstream.aread()
             await upstream.aclose()
-            return Response(content, status_code=upstream.status_code, media_type="application/json")
+            raise _Refused(upstream.status_code, content)
+        return self._relay_stream(backend, upstream)
+
+    async def _relay_stream(self, backend: Backend, upstream: httpx.Response) -> AsyncIterator[bytes]:
         backend.in_flight += 1
-
-        async def chunks() -> AsyncIterator[bytes]:
-            task = asyncio.current_task()
+        task = asyncio.current_task()
+        if task is not None:
+            backend.tasks.add(task)
+        failed = None
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as error:  # the backend died mid-stream
+            self.metrics.errors.labels(backend.url, backend.role).inc()
             if task is not None:
-                backend.tasks.add(task)
-            failed = None
+                backend.tasks.discard(task)  # its own failure: not cancelled by mark_down below
+            self.mark_down(backend, str(error), cancel=True)
+            failed = f"the backend {backend.url} failed mid-stream"
+        except asyncio.CancelledError as error:
+            if error.args != (WENT_DOWN,):  # the client left, or the router stops
+                raise
+            if task is not None:
+                task.uncancel()
+            failed = f"the backend {backend.url} went down mid-stream"  # its health check found it gone
+        finally:  # also when the client left: closing the upstream aborts the request there
+            backend.in_flight -= 1
+            if task is not None:
+                backend.tasks.discard(task)
+            await upstream.aclose()
+        if failed is not None:  # an error event, then the end, as a server's own failed stream ends
+            info = {"error": {"message": failed, "type": "server_error", "param": None, "code": None}}
+            yield f"data: {json.dumps(info)}\n\ndata: [DONE]\n\n".encode()
+
+    async def relay(self, backend: Backend, path: str, body: dict[str, Any], request: Request) -> Response:
+        """The backend's answer to the client: streamed through as it comes, or whole."""
+        if body.get("stream"):
             try:
-                async for chunk in upstream.aiter_raw():
-                    yield chunk
-            except httpx.HTTPError as error:  # the backend died mid-stream
-                metrics.errors.labels(backend.url, backend.role).inc()
-                if task is not None:
-                    backend.tasks.discard(task)  # its own failure: not cancelled by mark_down below
-                mark_down(backend, str(error))
-                failed = f"the backend {backend.url} failed mid-stream"
-            except asyncio.CancelledError as error:
-                if error.args != (WENT_DOWN,):  # the client left, or the router stops
-                    raise
-                if task is not None:
-                    task.uncancel()
-                failed = f"the backend {backend.url} went down mid-stream"  # the health check took it out
-            finally:  # also when the client left: closing the upstream aborts the request there
-                backend.in_flight -= 1
-                if task is not None:
-                    backend.tasks.discard(task)
-                await upstream.aclose()
-            if failed is not None:  # an error event, then the end, as a server's own failed stream ends
-                info = {"error": {"message": failed, "type": "server_error", "param": None, "code": None}}
-                yield f"data: {json.dumps(info)}\n\ndata: [DONE]\n\n".encode()
+                return StreamingResponse(await self.events(backend, path, body), media_type="text/event-stream")
+            except BackendFailed as error:
+                return _error(502, str(error))
+            except _Refused as refused:
+                return refused.response()
+        answer = await _unless_gone(self.post(backend, path, body), request)
+        if answer is None:
+            return Response(status_code=499)
+        if isinstance(answer, BackendFailed):
+            return _error(502, str(answer))
+        return Response(answer.content, status_code=answer.status_code, media_type="application/json")
 
-        return StreamingResponse(chunks(), media_type="text/event-stream")
-
-    async def route(path: str, request: Request) -> Response:
+    # ------------------------------------------------------------------ routing
+    async def route(self, path: str, request: Request) -> Response:
         try:
             body = await request.json()
         except ValueError:
             return _error(400, "the request body is not valid JSON", "invalid_request_error")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object", "invalid_request_error")
-        text = prompt_text(body)
-        if replica_pool.backends:
-            backend = replica_pool.choose(text)
+        body.pop("kv_transfer_params", None)  # the router's to set, never a client's
+        if self.replicas.backends:
+            backend = self.replicas.choose(prompt_text(body))
             if backend is None:
-                metrics.unavailable.inc()
+                self.metrics.unavailable.inc()
                 return _error(503, "no healthy replica")
-            return await relay(backend, path, body, request)
+            return await self.relay(backend, path, body, request)
         if body.get("n", 1) != 1:
             return _error(400, "disaggregated serving runs one completion per request (n = 1)",
                           "invalid_request_error")
-        decode_server = decode_pool.choose(text)
+        bodies = split_prompts(body) if path == "/v1/completions" else [body]
+        legs = await asyncio.gather(*(self.prefilled(path, one) for one in bodies))
+        refused = next((leg for leg in legs if isinstance(leg, Response)), None)
+        if refused is not None:
+            return refused
+        decodes: list[tuple[Backend, dict[str, Any]]] = legs  # type: ignore[assignment]
+        if len(decodes) == 1:
+            server, rest = decodes[0]
+            return await self.relay(server, path, rest, request)
+        if body.get("stream"):
+            return StreamingResponse(self.merged_events(path, decodes, include_usage=bool(
+                (body.get("stream_options") or {}).get("include_usage"))), media_type="text/event-stream")
+        answers = await _unless_gone(asyncio.gather(*(self.post(server, path, one) for server, one in decodes),
+                                                    return_exceptions=True), request)
+        if answers is None:
+            return Response(status_code=499)
+        failed = next((a for a in answers if isinstance(a, BaseException)), None)
+        if failed is not None:
+            return _error(502, str(failed))
+        bad = next((a for a in answers if a.status_code != 200), None)
+        if bad is not None:
+            return Response(bad.content, status_code=bad.status_code, media_type="application/json")
+        return JSONResponse(merge_answers([a.json() for a in answers]))
+
+    def _params(self, params: dict[str, Any]) -> dict[str, Any]:
+        return sign_params(self.kv_secret, params) if self.kv_secret is not None else params
+
+    async def prefilled(self, path: str, body: dict[str, Any]) -> tuple[Backend, dict[str, Any]] | Response:
+        """Run one prompt's prefill leg; the decode server and the body to send it, or the Response that ends the
+        request (the prefill refused, no healthy server, or every prefill server failed)."""
+        text = prompt_text(body)
+        decode_server = self.decode.choose(text)
         if decode_server is None or decode_server.kv_address is None:
-            metrics.unavailable.inc()
+            self.metrics.unavailable.inc()
             return _error(503, "no healthy decode server")
         host, port = decode_server.kv_address
         # A prefill has no effect a client sees, so one whose server died is tried again on another healthy one
         # (under a new transfer id: blocks the dead one may have shipped expire unclaimed).
         failure: BackendFailed | None = None
         tried: list[Backend] = []
-        for _ in range(len(prefill_pool.backends)):
-            prefill_server = prefill_pool.choose(text, exclude=tried)
+        for _ in range(len(self.prefill.backends)):
+            prefill_server = self.prefill.choose(text, exclude=tried)
             if prefill_server is None:
                 break
             tried.append(prefill_server)
             transfer_id = uuid.uuid4().hex
-            first = {**body, "stream": False, "kv_transfer_params": {
-                "do_remote_decode": True, "transfer_id": transfer_id, "remote_host": host, "remote_port": port}}
-            first.pop("stream_options", None)
+            first = {name: value for name, value in body.items() if name not in OUTPUT_ONLY_FIELDS}
+            first["stream"] = False
             first["max_completion_tokens" if "messages" in body else "max_tokens"] = 1
             first.pop("max_tokens" if "messages" in body else "max_completion_tokens", None)
+            first["kv_transfer_params"] = self._params({"do_remote_decode": True, "transfer_id": transfer_id,
+                                                        "remote_host": host, "remote_port": port})
             try:
-                answer = await post(prefill_server, path, first)
+                answer = await self.post(prefill_server, path, first)
             except BackendFailed as error:
                 failure = error
                 continue
             if answer.status_code != 200:  # the prefill server refused it (a 400 is the client's to see)
                 return Response(answer.content, status_code=answer.status_code, media_type="application/json")
-            rest = {**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id}}
-            return await relay(decode_server, path, rest, request)
+            rest = {**body, "kv_transfer_params": self._params({"do_remote_prefill": True,
+                                                                "transfer_id": transfer_id})}
+            return decode_server, rest
         if failure is not None:
             return _error(502, str(failure))
-        metrics.unavailable.inc()
+        self.metrics.unavailable.inc()
         return _error(503, "no healthy prefill server")
+
+    async def merged_events(self, path: str, decodes: Sequence[tuple[Backend, dict[str, Any]]],
+                            include_usage: bool) -> AsyncIterator[str]:
+        """Several prompts' streams as one: each event's choices renumbered by prompt, in the order they come, the
+        usage summed into one last event, then one `[DONE]`."""
+        queue: asyncio.Queue[tuple[int, dict[str, Any] | None]] = asyncio.Queue()
+
+        async def pump(index: int, backend: Backend, body: dict[str, Any]) -> None:
+            try:
+                async for event in _sse_objects(await self.events(backend, path, body)):
+                    await queue.put((index, event))
+            except BackendFailed as error:
+                await queue.put((index, {"error": {"message": str(error), "type": "server_error"}}))
+            except _Refused as refused:
+                await queue.put((index, refused.json()))
+            finally:
+                await queue.put((index, None))
+
+        pumps = [asyncio.create_task(pump(i, backend, body)) for i, (backend, body) in enumerate(decodes)]
+        usage: dict[str, int] = {}
+        last: dict[str, Any] = {}
+        try:
+            for _ in range(len(pumps)):
+                while (item := await queue.get())[1] is not None:
+                    index, event = item
+                    if event.get("choices"):
+                        event["choices"] = [{**choice, "index": index} for choice in event["choices"]]
+                        event.pop("usage", None)
+                        last = event
+                        yield f"data: {json.dumps(event)}\n\n"
+                    elif isinstance(event.get("usage"), dict):
+                        for name, value in event["usage"].items():
+                            usage[name] = usage.get(name, 0) + (value if isinstance(value, int) else 0)
+                    else:
+                        yield f"data: {json.dumps(event)}\n\n"
+            if include_usage and usage:
+                yield f"data: {json.dumps({**last, 'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            for task in pumps:
+                task.cancel()
+
+
+class _Refused(Exception):
+    """A backend answered a stream request with an error status (its JSON body, whole)."""
+
+    def __init__(self, status: int, content: bytes) -> None:
+        super().__init__(status)
+        self.status, self.content = status, content
+
+    def response(self) -> Response:
+        return Response(self.content, status_code=self.status, media_type="application/json")
+
+    def json(self) -> dict[str, Any]:
+        try:
+            value = json.loads(self.content)
+        except ValueError:
+            value = None
+        return value if isinstance(value, dict) else {"error": {"message": f"status {self.status}",
+                                                                 "type": "server_error"}}
+
+
+async def _sse_objects(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON objects of a stream of server-sent events (`data: {...}` lines), without the final `[DONE]`."""
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                try:
+                    value = json.loads(line[6:])
+                except ValueError:
+                    continue
+                if isinstance(value, dict):
+                    yield value
+
+
+async def _unless_gone(work: Awaitable[T], request: Request) -> T | None:
+    """`work`'s result, or None if the client disconnected first (the work is cancelled then: closing the
+    router's connections aborts the requests upstream)."""
+    working = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watching = asyncio.ensure_future(gone())
+    await asyncio.wait({working, watching}, return_when=asyncio.FIRST_COMPLETED)
+    watching.cancel()
+    if not working.done():
+        working.cancel()
+        with contextlib.suppress(asyncio.CancelledError, BackendFailed):
+            await working
+        return None
+    try:
+        return working.result()
+    except BackendFailed as error:
+        return error  # type: ignore[return-value]
+
+
+def create_router(prefill: Sequence[str] = (), decode: Sequence[str] = (), replicas: Sequence[str] = (),
+                  policy: str = "round_robin", request_timeout_s: float = 600.0, *, kv_secret: str | None = None,
+                  api_key: str | None = None, backend_api_key: str | None = None,
+                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The router's app (module docstring): `prefill` and `decode` URLs together, or `replicas`. `kv_secret`: sign
+    the kv_transfer_params it sets; `api_key`: what clients must send; `backend_api_key`: what it sends its
+    backends (by default `api_key`)."""
+    router = Router(prefill, decode, replicas, policy, request_timeout_s, kv_secret=kv_secret,
+                    backend_api_key=backend_api_key if backend_api_key is not None else api_key)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with router.running():
+            yield
+
+    app = FastAPI(title="llm_runtime router", lifespan=lifespan)
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
+    if api_key is not None:
+        app.add_middleware(ApiKeyCheck, api_key=api_key)
+    app.state.router = router
+    app.state.pools = {"prefill": router.prefill, "decode": router.decode, "replica": router.replicas}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        pools = [router.prefill, router.decode] if router.prefill.backends else [router.replicas]
+        if all(pool.healthy() for pool in pools):
+            return JSONResponse({"status": "ok"})
+        return _error(503, "no healthy backend for some kind of request")
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        pool = router.decode if router.decode.backends else router.replicas
+        backend = pool.choose("")
+        if backend is None:
+            return _error(503, "no healthy backend")
+        try:
+            answer = await router.client.get(f"{backend.url}/v1/models")
+        except httpx.HTTPError as error:
+            router.mark_down(backend, str(error), cancel=True)
+            return _error(502, f"the backend {backend.url} failed: {error}")
+        return Response(answer.content, status_code=answer.status_code, media_type="application/json")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await route("/v1/completions", request)
+        return await router.route("/v1/completions", request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await route("/v1/chat/completions", request)
+        return await router.route("/v1/chat/completions", request)
 
     return app
 
 
-def run_router(prefill: list[str], decode: list[str], replicas: list[str], policy: str, host: str, port: int) -> None:
+def run_router(prefill: list[str], decode: list[str], replicas: list[str], policy: str, host: str, port: int, *,
+               kv_secret: str | None = None, api_key: str | None = None, backend_api_key: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
     import uvicorn
 
-    uvicorn.run(create_router(prefill, decode, replicas, policy), host=host, port=port, log_level="info")
+    uvicorn.run(create_router(prefill, decode, replicas, policy, kv_secret=kv_secret, api_key=api_key,
+                              backend_api_key=backend_api_key, max_request_bytes=max_request_bytes),
+                host=host, port=port, log_level="info")

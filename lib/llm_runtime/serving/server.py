@@ -8,7 +8,8 @@ Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (t
 chat template; content a string or a list of text parts), `GET /health`, `GET /metrics`
 (Prometheus), `GET /v1/kv_transfer` (a server started with `--kv-transfer-config`: its role, and where it
 receives KV blocks; a request's `kv_transfer_params` then say what to do with its KV, kv_transfer/agent.py),
-`POST /reset_prefix_cache` (vLLM's: forget the cached blocks no request holds), `GET /v1/engine/events` (the
+`POST /reset_prefix_cache` (vLLM's: forget the cached blocks no request holds; with `--enable-dev-routes` only, as
+vLLM serves it in development mode), `GET /v1/engine/events` (the
 engine's live state as server-sent events, engine_events.py) and `GET /dashboard` (a page that draws them:
 the batch of every step, the KV pool block by block, each request's timeline). Constrained output (lesson 15): `structured_outputs` (vLLM's: json, regex, choice,
 grammar) on both completions routes, `response_format` (json_schema, json_object) and `tools` with a
@@ -20,6 +21,9 @@ with `data: [DONE]`. Every failure is OpenAI's JSON error object: 400 for an inv
 the engine failed this request (mid-stream: an `error` event before `[DONE]`), 503 when the queue is
 full, too many distinct constraints are compiling, or the engine loop stopped. A client that hangs up, streaming or not, has its request aborted.
 The OpenAPI schema (`/openapi.json`) documents exactly this, with the engine's limits as bounds.
+With `--api-key` (or LLM_RUNTIME_API_KEY), every `/v1` route wants it as a bearer token (401 without it,
+middleware.py). The server binds 127.0.0.1 unless told otherwise (`--host`); the README's security section says
+what is exposed and how to lock it down.
 """
 
 
@@ -43,7 +47,6 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..engine.engine import LLMEngine
 from ..errors import EngineBusyError, EngineDeadError, InvalidRequestError
@@ -55,12 +58,14 @@ from .async_engine import AsyncLLMEngine, RequestStream
 from .dashboard import STATIC_DIR
 from .engine_events import EngineFeed
 from .metrics import ServerMetrics
+from .middleware import ApiKeyCheck, BodyLimit
 from .responses import APIError, Formatter, OpenAIResponse
 from .tools import ChatConstraint, chat_constraint
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 2 * 2**20  # 2 MiB: hundreds of full-context prompts, not a denial of service
+DEV_ROUTES = ("/reset_prefix_cache",)  # served with enable_dev_routes only; behind the API key when there is one
 EVENTS_KEEPALIVE_S = 15.0  # an idle event stream sends a comment this often (a client that left is noticed)
 
 
@@ -72,42 +77,6 @@ def _validation_error(error: RequestValidationError) -> APIError:
         return APIError(400, f"the request body is not valid JSON: {first.get('msg')}")
     field = ".".join(location) or "body"
     return APIError(400, f"{field}: {first.get('msg')}", param=location[0] if location else None)
-
-
-class BodyLimit:
-    """ASGI middleware: a body over `limit` bytes gets 413 before the app reads any of it."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        too_large = APIError(413, f"the request body is over the server's limit of {self.limit} bytes")
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await too_large.response()(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                break  # the client left before sending the whole body
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.limit:
-                return await too_large.response()(scope, receive, send)
-            if not message.get("more_body"):
-                break
-        replayed = False
-
-        async def replay() -> Message:  # the whole body once, then the client's own messages (disconnect)
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-
-        await self.app(scope, replay, send)
 
 
 # ------------------------------------------------------------------------------------------ the schema
@@ -168,10 +137,13 @@ def _openapi(app: FastAPI, request_models: tuple[type[BaseModel], ...]) -> dict[
 def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 256,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                step_executor: ThreadPoolExecutor | None = None,
-               kv_transfer_config: KVTransferConfig | None = None) -> FastAPI:
+               kv_transfer_config: KVTransferConfig | None = None, api_key: str | None = None,
+               enable_dev_routes: bool = False) -> FastAPI:
     """The FastAPI app; the engine loop starts and stops with it. `step_executor`: the thread that built
     the engine, to step on (async_engine.py says why). `kv_transfer_config`: this server's part in
-    disaggregated prefill and decode (kv_transfer/, lesson 18)."""
+    disaggregated prefill and decode (kv_transfer/, lesson 18). `api_key`: what every `/v1` route (and the
+    development routes) wants as a bearer token (middleware.py). `enable_dev_routes`: serve the routes that change
+    the server's state for a measurement (`POST /reset_prefix_cache`), which vLLM serves in development mode only."""
     # The receiver's thread wakes the loop when blocks arrive, so an idle server takes them in (and expires them).
     agent = KVTransferAgent(engine, kv_transfer_config, on_message=lambda: async_engine.wake()) \
         if kv_transfer_config is not None else None
@@ -197,6 +169,8 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
     app = FastAPI(title="llm_runtime", version="0.1.0", lifespan=lifespan,
                   description="An OpenAI-compatible server for one model (see the llm_runtime course).")
     app.add_middleware(BodyLimit, limit=max_request_bytes)
+    if api_key is not None:  # outermost: a request without the key is refused before its body is read
+        app.add_middleware(ApiKeyCheck, api_key=api_key, paths=DEV_ROUTES)
     app.openapi = functools.partial(_openapi, app, (CompletionRequest, ChatCompletionRequest))  # type: ignore[method-assign]
     app.state.async_engine = async_engine
 
@@ -238,14 +212,15 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
         return protocol.KVTransferInfo(kv_role=agent.config.kv_role, kv_connector=agent.config.kv_connector,
                                        kv_ip=address[0] if address else None, kv_port=address[1] if address else None)
 
-    @app.post("/reset_prefix_cache", response_model=protocol.PrefixCacheReset, responses={503: _ERRORS[503]})
-    async def reset_prefix_cache() -> protocol.PrefixCacheReset:
-        """Forget every cached block no request holds, as vLLM's route of this name: for a measurement that must
-        start from a cold cache (lesson 18)."""
-        try:
-            return protocol.PrefixCacheReset(freed_blocks=await async_engine.reset_prefix_cache())
-        except EngineDeadError as error:
-            raise APIError(503, str(error), kind="server_error") from error
+    if enable_dev_routes:
+        @app.post("/reset_prefix_cache", response_model=protocol.PrefixCacheReset, responses={503: _ERRORS[503]})
+        async def reset_prefix_cache() -> protocol.PrefixCacheReset:
+            """Forget every cached block no request holds, as vLLM's route of this name: for a measurement that
+            must start from a cold cache (lesson 18). Served only with `--enable-dev-routes`."""
+            try:
+                return protocol.PrefixCacheReset(freed_blocks=await async_engine.reset_prefix_cache())
+            except EngineDeadError as error:
+                raise APIError(503, str(error), kind="server_error") from error
 
     @app.get("/v1/engine/events", response_class=StreamingResponse, responses={**_events_doc(), 503: _ERRORS[503]})
     async def engine_events(request: Request) -> StreamingResponse:
@@ -435,6 +410,8 @@ class Server(uvicorn.Server):
 
 def serve(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           max_waiting_requests: int = 256, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-          step_executor: ThreadPoolExecutor | None = None, kv_transfer_config: KVTransferConfig | None = None) -> None:
-    app = create_app(engine, model_name, max_waiting_requests, max_request_bytes, step_executor, kv_transfer_config)
+          step_executor: ThreadPoolExecutor | None = None, kv_transfer_config: KVTransferConfig | None = None,
+          api_key: str | None = None, enable_dev_routes: bool = False) -> None:
+    app = create_app(engine, model_name, max_waiting_requests, max_request_bytes, step_executor, kv_transfer_config,
+                     api_key, enable_dev_routes)
     Server(uvicorn.Config(app, host=host, port=port, log_level="info"), on_exit=app.state.async_engine.feed.close).run()

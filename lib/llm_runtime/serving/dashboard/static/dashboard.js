@@ -329,7 +329,10 @@ setInterval(() => {
 
 function connect() {
   const params = new URLSearchParams(location.search);
-  const source = new EventSource(params.get("events") || "/v1/engine/events");
+  // A server with --api-key wants it on the feed too; EventSource sends no headers, so it goes in the query.
+  const events = params.get("events") || "/v1/engine/events", key = params.get("api_key");
+  const source = new EventSource(key ? `${events}${events.includes("?") ? "&" : "?"}api_key=${encodeURIComponent(key)}`
+                                     : events);
   const status = document.getElementById("connection");
   source.addEventListener("hello", message => {  // (again after a reconnect: the server may be another one)
     const hello = JSON.parse(message.data);
