@@ -8,6 +8,7 @@ import torch
 
 from llm_runtime.distributed.group import TensorParallelGroup
 from llm_runtime.distributed.launch import run_on_ranks
+from llm_runtime.lessons.tensor_parallel import StepTimes  # (importing it registers it: see the last test)
 
 
 def _many_tensors(tp: TensorParallelGroup) -> list[torch.Tensor]:
@@ -31,3 +32,25 @@ def test_tensors_arrive_whole_from_ranks_that_end_at_once() -> None:
 def test_a_rank_that_raises_fails_the_call_with_its_traceback() -> None:
     with pytest.raises(RuntimeError, match="rank 1 failed:(.|\n)*rank 1 says no"):
         run_on_ranks(_raises, 2)
+
+
+class _NotRegistered:
+    def __init__(self) -> None:
+        self.value = 1
+
+
+def _an_object(tp: TensorParallelGroup) -> object:
+    return _NotRegistered()
+
+
+def _step_times(tp: TensorParallelGroup) -> StepTimes:
+    return StepTimes(tp.rank, tp.size, 1, 0.0, 1.0, [("all-reduce", 0.1, 0.2)])
+
+
+def test_what_ranks_send_back_is_loaded_as_data_only() -> None:
+    """weights_only=True: an object of a class nobody registered is refused (unpickling it could run its code);
+    the lessons' result types are registered, and arrive."""
+    with pytest.raises(Exception, match="Weights only load failed|weights_only"):
+        run_on_ranks(_an_object, 2)
+    times = run_on_ranks(_step_times, 2)
+    assert [t.rank for t in times] == [0, 1] and times[1].events == [("all-reduce", 0.1, 0.2)]

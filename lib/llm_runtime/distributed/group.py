@@ -25,6 +25,7 @@ import contextlib
 import datetime
 import itertools
 import os
+import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -58,8 +59,8 @@ class TensorParallelGroup:
     size: int
     group: dist.ProcessGroup | None = field(default=None, repr=False)
     counts: CommunicationCounts = field(default_factory=CommunicationCounts, repr=False)
-    # Gloo over the same store, with no practical timeout: where the other ranks wait for rank 0's next step,
-    # however long the engine stays idle (the compute group's timeout catches a hung rank mid-step).
+    # Gloo over the same store: where the other ranks wait for rank 0's next step, however long the engine stays
+    # idle (no practical timeout on their side; rank 0's sends wait no longer than a step's collective).
     control: dist.ProcessGroup | None = field(default=None, repr=False)
     handle: int = field(init=False, default=0)  # how the operators name this group (module docstring)
     # A collective's timeout while `patient()`: ranks that compile their forward pass reach its first collective
@@ -135,6 +136,8 @@ class TensorParallelGroup:
             assert group is not None
             options = dist.BroadcastOptions()
             options.rootRank = 0
+            if self._patient_timeout is not None:
+                options.timeout = self._patient_timeout
             work = group.broadcast([x], options)
             if control and not self.is_first:
                 work.wait()
@@ -152,19 +155,27 @@ class TensorParallelGroup:
         elif not work.wait(deadline):  # gloo raises past the deadline; a backend that returns False, likewise
             raise RuntimeError(f"a collective waited over {deadline.total_seconds():g} s for the other ranks")
 
-    def close(self) -> None:
-        """Leave the group at the end of a script (torchrun's ranks): wait until every rank is here, then shut the
-        groups down. A rank whose process exits with its group still open can die in gloo's teardown while
-        another rank still talks to it ("terminate called without an active exception")."""
-        if self.size > 1:
-            options = dist.BroadcastOptions()
-            options.rootRank = 0
-            assert self.control is not None
-            self.control.broadcast([torch.zeros(1)], options).wait()  # every rank has finished its collectives
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Leave the group (the end of a script, or an engine's workers stopped): wait at most `timeout_s` until
+        every rank is here, then shut both groups down, their threads and sockets with them. A rank whose process
+        exits with its group still open can die in gloo's teardown while another rank still talks to it
+        ("terminate called without an active exception"); a rank that never comes (gone, or hung) makes this one
+        tear its groups down without waiting (`abort`) once the deadline passes. Calling it twice is harmless."""
+        if self.size == 1 or self.control is None:
+            return
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        options.timeout = datetime.timedelta(seconds=timeout_s)  # the wait's own deadline, not the group's
+        try:
+            work = self.control.broadcast([torch.zeros(1)], options)  # every rank has finished its collectives
+            if not work.wait(options.timeout):
+                raise RuntimeError(f"the other ranks did not leave within {timeout_s:g} s")
             for group in (self.group, self.control):
                 if group is not None:
                     group.shutdown()
-            self.group = self.control = None
+        except Exception:  # noqa: BLE001 - a peer gone or late: nothing more to wait for
+            self.abort()
+        self.group = self.control = None
 
     def abort(self) -> None:
         """Tear the groups down without waiting for the other ranks (after a failure); best effort."""
@@ -177,15 +188,32 @@ class TensorParallelGroup:
                         break
                     except Exception:  # a backend without it, or one already broken
                         continue
+        self.group = self.control = None
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    """`name` set to `value` (unless the user set it) while the block runs, and as it was afterwards: a variable that
+    a library reads once, when an object is made, without this process's environment keeping it."""
+    before = os.environ.get(name)
+    if before is None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
 
 
 def init_tensor_parallel(rank: int | None = None, size: int | None = None, device: torch.device | str = "cpu",
-                         host: str | None = None, port: int | None = None, timeout_s: float = 60.0
-                         ) -> TensorParallelGroup:
+                         host: str | None = None, port: int | None = None, timeout_s: float = 60.0,
+                         external_store: bool | None = None) -> TensorParallelGroup:
     """Join (at rank 0: open) a process group of `size` ranks and return this rank's TensorParallelGroup: gloo
     on the CPU, NCCL on CUDA (one GPU per rank). The ranks meet at a TCP store on `host`:`port`, rank 0's;
     without them, at MASTER_ADDR:MASTER_PORT, and without `rank` and `size`, RANK and WORLD_SIZE: what torchrun
-    sets in every process it starts, on one machine or several."""
+    sets in every process it starts, on one machine or several. `external_store`: the store already runs
+    elsewhere (the caller's, `open_store`; torchrun's agent when None and its variable says so), and every rank
+    joins it as a client."""
     if rank is None or size is None:
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise ValueError("pass rank and size, or set RANK and WORLD_SIZE (torchrun sets them)")
@@ -201,27 +229,54 @@ def init_tensor_parallel(rank: int | None = None, size: int | None = None, devic
                          "MASTER_PORT")
     timeout = datetime.timedelta(seconds=timeout_s)
     # Under torchrun the store already runs in its agent, at MASTER_PORT: every rank joins it as a client.
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    agent_store = (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" if external_store is None
+                   else external_store)
     # The rendezvous waits for ranks still starting (a spawned interpreter imports torch: seconds on a busy host),
     # whatever a step's collectives may wait.
     rendezvous = max(timeout, datetime.timedelta(seconds=120))
     store = dist.TCPStore(host, port, world_size=size, is_master=rank == 0 and not agent_store, timeout=rendezvous)
+    if external_store:  # (a store rank 0 opens waits for every rank itself; one opened elsewhere does not)
+        _all_joined(store, size, rendezvous.total_seconds())
     compute_store, control_store = dist.PrefixStore("compute", store), dist.PrefixStore("control", store)
     if device.type == "cuda":
-        # A failed collective aborts the communicator and raises, instead of ending the process (NCCL's default),
-        # so a server can answer 503.
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        # The deadline of an NCCL collective: its host wait only orders the streams (a wait with a deadline would
+        # block the host until the GPU is done), so the group's watchdog enforces `timeout`, and in this mode (read
+        # when the group is made) a collective past it aborts the communicator and raises at the step's next
+        # synchronization, instead of ending the process (NCCL's default), so a server can answer 503.
         torch.cuda.set_device(device)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        group: dist.ProcessGroup = dist.ProcessGroupNCCL(compute_store, rank, size, options)
+        with _environment("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"):
+            group: dist.ProcessGroup = dist.ProcessGroupNCCL(compute_store, rank, size, options)
         connect = getattr(group, "eager_connect_single_device", None)
         if connect is not None:  # build the communicator now, while every rank is at the rendezvous
             connect(device)
     else:
         group = dist.ProcessGroupGloo(compute_store, rank, size, timeout)
-    control = dist.ProcessGroupGloo(control_store, rank, size, datetime.timedelta(days=365))
+    # The control group waits between steps: the other ranks as long as rank 0 takes (a year), rank 0 no longer than
+    # a step's collective. (The timeout is each rank's own: a send still waiting on a rank that hung would hold up
+    # tearing the group down for as long as it may wait.)
+    control = dist.ProcessGroupGloo(control_store, rank, size, timeout if rank == 0 else datetime.timedelta(days=365))
     return TensorParallelGroup(rank, size, group, control=control, timeout=timeout)
+
+
+def _all_joined(store: dist.Store, size: int, timeout_s: float) -> None:
+    """Wait until `size` ranks have come to `store` (each adds one): the groups are made only once every rank is
+    there, so their own connection deadline (a step's, seconds) does not also cover a slow rank's start."""
+    store.add("llm_runtime/joined", 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add("llm_runtime/joined", 0) < size:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not every one of {size} ranks came to the rendezvous within {timeout_s:g} s")
+        time.sleep(0.01)
+
+
+def open_store(size: int, host: str = "127.0.0.1") -> dist.TCPStore:
+    """A rendezvous store for `size` ranks, listening on a port the kernel picks (`.port`), in this process: ranks
+    then join it as clients (`external_store=True`). Picking a free port first and binding it later would race
+    with anything else that binds meanwhile."""
+    return dist.TCPStore(host, 0, world_size=size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=120))
 
 
 _HANDLES = itertools.count(1)

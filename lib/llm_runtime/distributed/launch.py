@@ -6,20 +6,24 @@ requires), joins them in one process group over loopback, calls `fn(tp, *args)` 
 its traceback; one that dies or hangs fails it at `timeout_s`; no process outlives the call. The tests and lesson
 17 use it to run sharded models; `fn` must be importable (a module-level function), as spawn pickles it by name.
 
-A rank sends its value back as bytes (`torch.save`), and tensors in it come back on the CPU. Put on the queue as
-they are, tensors would travel as shared-memory file descriptors that the caller fetches from the rank's process
-when it unpickles them; a rank that had already exited by then (it returns, then ends) failed the call with
-`FileNotFoundError`, as CI saw once on 2 busy cores.
+A rank sends its value back as bytes (`torch.save`, loaded with `weights_only=True`: data, never code), and tensors
+in it come back on the CPU. Put on the queue as they are, tensors would travel as shared-memory file descriptors
+that the caller fetches from the rank's process when it unpickles them; a rank that had already exited by then (it
+returns, then ends) failed the call with `FileNotFoundError`, as CI saw once on 2 busy cores. The ranks meet at a
+store this process opens on a port the kernel picks (no free port looked up first, for someone else to take).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import queue
 import socket
+import threading
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -27,7 +31,8 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    """A TCP port nothing listens on now, on loopback (for a process group's rendezvous)."""
+    """A TCP port nothing listens on now, on loopback. Something else may bind it before the caller does: the
+    package's own rendezvous binds port 0 instead (group.open_store); tests use this for their servers."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -38,14 +43,47 @@ def threads_per_rank(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // size)
 
 
+@contextlib.contextmanager
+def torch_threads(count: int | None) -> Iterator[None]:
+    """PyTorch's CPU threads set to `count` while the block runs (None: left alone), and put back after. The count
+    is the process's, new threads' default included: set for good, it would slow whatever else the process runs
+    (an engine's rank 0 shares the cores with its workers only while they compute together). 0.2 us a call."""
+    if count is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:
+    """End this process (a spawned rank) as soon as `parent_pid` is no longer its parent: the parent died, even by
+    SIGKILL, and the kernel handed this process to another. A thread polls for it; PR_SET_PDEATHSIG is no
+    substitute, as it fires when the spawning *thread* exits, and an engine built on a thread pool's thread would
+    lose its ranks when that thread retires."""
+    if os.getppid() != parent_pid:  # the parent died before this process got here
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="llm_runtime-parent-watch", daemon=True).start()
+
+
 def _rank_main(rank: int, size: int, port: int, device: str, fn: Callable[..., Any], args: tuple,
                results: Any) -> None:
     from .group import init_tensor_parallel
 
-    torch.set_num_threads(threads_per_rank(size))
+    torch.set_num_threads(threads_per_rank(size))  # (this process is one rank: its thread count is its own)
     try:
         rank_device = f"cuda:{rank}" if device == "cuda" else device
-        tp = init_tensor_parallel(rank, size, rank_device, "127.0.0.1", port)
+        tp = init_tensor_parallel(rank, size, rank_device, "127.0.0.1", port, external_store=True)
         payload = io.BytesIO()
         torch.save(fn(tp, *args), payload)  # bytes: nothing for the caller to fetch from this process later
         results.put((rank, True, payload.getvalue()))
@@ -56,11 +94,15 @@ def _rank_main(rank: int, size: int, port: int, device: str, fn: Callable[..., A
 def run_on_ranks(fn: Callable[..., Any], size: int, *args: Any, device: str = "cpu", timeout_s: float = 300.0
                  ) -> list[Any]:
     """`fn(tp, *args)` on each of `size` new ranks (gloo on "cpu", NCCL with one GPU each on "cuda"); the
-    values they return, in rank order, tensors on the CPU (module docstring)."""
+    values they return, in rank order, tensors on the CPU (module docstring). They are loaded with
+    `weights_only=True`: tensors, numbers, strings, containers, and the classes registered with
+    `torch.serialization.add_safe_globals` (lessons/tensor_parallel.py registers its result types)."""
+    from .group import open_store
+
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = free_port()
-    processes = [context.Process(target=_rank_main, args=(rank, size, port, device, fn, args, results),
+    store = open_store(size)  # the rendezvous, on a port the kernel picked, for as long as the ranks run
+    processes = [context.Process(target=_rank_main, args=(rank, size, store.port, device, fn, args, results),
                                  daemon=True) for rank in range(size)]
     for process in processes:
         process.start()
@@ -81,7 +123,7 @@ def run_on_ranks(fn: Callable[..., Any], size: int, *args: Any, device: str = "c
                 continue
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            values[rank] = torch.load(io.BytesIO(value), map_location="cpu", weights_only=False)
+            values[rank] = torch.load(io.BytesIO(value), map_location="cpu", weights_only=True)
     finally:
         for process in processes:
             process.join(timeout=5 if len(values) == size else 0.1)

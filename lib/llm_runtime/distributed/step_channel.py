@@ -13,7 +13,7 @@ however long the engine stays idle.
 
 from __future__ import annotations
 
-import pickle
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,22 +79,23 @@ class StepChannel:
         """Rank 0: no more steps; the other ranks leave their loops."""
         self._broadcast_header(torch.tensor([STOP] + [0] * (_HEADER - 1), dtype=torch.int64))
 
-    def send_object(self, value: object) -> None:
-        """Rank 0: a small picklable value (the engine's settings, once) to every other rank."""
-        data = np.frombuffer(pickle.dumps(value), dtype=np.uint8)
+    def send_json(self, value: object) -> None:
+        """Rank 0: a small JSON value (the engine's settings, once) to every other rank. JSON, not pickle: what
+        the ranks receive over their sockets is data, never code."""
+        data = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
         header = torch.tensor([CONFIGURE, len(data)] + [0] * (_HEADER - 2), dtype=torch.int64)
         self._broadcast_header(header)
         self._broadcast(torch.from_numpy(data.copy()).to(self.device))
 
     def receive(self) -> StepMessage | object | None:
-        """Another rank: the next message (a StepMessage, a configured value), or None after a stop."""
+        """Another rank: the next message (a StepMessage, a JSON value), or None after a stop."""
         header = self._broadcast_header(torch.empty(_HEADER, dtype=torch.int64)).tolist()
         kind = header[0]
         if kind == STOP:
             return None
         if kind == CONFIGURE:
             data = self._broadcast(torch.empty(header[1], dtype=torch.uint8, device=self.device))
-            return pickle.loads(data.cpu().numpy().tobytes())
+            return json.loads(data.cpu().numpy().tobytes())
         if kind != STEP:
             raise RuntimeError(f"unknown step message kind {kind}")
         layout = StepLayout(*header[1:5])

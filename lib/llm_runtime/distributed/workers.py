@@ -10,28 +10,35 @@ in the logits gathers, until told to stop.
 
 Faults: a worker that raises reports it and exits; a worker that dies breaks the group's sockets, so rank 0's next
 collective fails at once, and a hung one fails it after the group's timeout; `check` says which worker died.
-A worker whose parent dies (even by SIGKILL) is killed by the kernel (PR_SET_PDEATHSIG on Linux) and exits on its
-next collective elsewhere, so none is left behind. Spawned workers import the main module again: a script that
-starts an engine with tensor_parallel_size > 1 keeps that under `if __name__ == "__main__":` (as with vLLM).
+A worker whose parent process dies (even by SIGKILL) ends within half a second (launch.watch_parent), so none is
+left behind, and one whose parent is alive stays however the thread that started it ends. Spawned workers import
+the main module again: a script that starts an engine with tensor_parallel_size > 1 keeps that under
+`if __name__ == "__main__":` (as with vLLM).
+
+Life cycle: the ranks meet at a store rank 0 opens on a port the kernel picks; the settings travel as JSON, never
+pickle (the store and the groups' sockets are unauthenticated, even on loopback); `close` stops the workers, and
+every rank then shuts its groups down (their threads and sockets: an engine leaves none behind, even while an old
+reference to it lives), or tears them down without waiting for a rank that is gone. On the CPU rank 0 computes with
+its share of the cores only while the ranks compute together (`num_threads`, applied by the engine around its
+steps), never by changing the process's thread count for everything else it runs.
 """
 
 from __future__ import annotations
 
-import ctypes
+import dataclasses
 import os
-import signal
-import sys
 import threading
 import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-from .group import TensorParallelGroup, init_tensor_parallel
-from .launch import free_port, threads_per_rank
+from .group import TensorParallelGroup, init_tensor_parallel, open_store
+from .launch import threads_per_rank, watch_parent
 
 
 @dataclass(frozen=True)
@@ -59,27 +66,30 @@ class ShardSettings:
     compile_model: bool = False  # the forward pass compiled (engine/compiled_forward.py) for the steps rank 0 says
     kv_calibration: tuple[int, ...] | None = None  # an int8 pool: the token ids its scales are measured over
 
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process when its parent dies (elsewhere: rely on the broken group)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-        except OSError:
-            pass
-    if os.getppid() == 1:  # the parent died before the request above took effect
-        os._exit(1)
+    @classmethod
+    def from_json(cls, value: object) -> "ShardSettings":
+        """The settings rank 0 sent (a JSON object of exactly these fields); RuntimeError for anything else."""
+        names = {field.name for field in dataclasses.fields(cls)}
+        if not isinstance(value, dict) or set(value) != names:
+            raise RuntimeError(f"a worker expected its settings first, got {value!r}")
+        calibration = value["kv_calibration"]
+        return cls(**{**value, "kv_calibration": None if calibration is None else tuple(calibration)})
 
 
-def _worker_main(rank: int, size: int, port: int, spec: WorkerSpec, errors: Any) -> None:
-    _die_with_parent()
-    torch.set_num_threads(threads_per_rank(size))
+def _worker_main(rank: int, size: int, port: int, spec: WorkerSpec, errors: Connection, parent_pid: int) -> None:
+    watch_parent(parent_pid)
+    torch.set_num_threads(threads_per_rank(size))  # (this process is one rank: its thread count is its own)
     try:
         device = f"cuda:{rank}" if spec.device == "cuda" else spec.device
-        tp = init_tensor_parallel(rank, size, device, "127.0.0.1", port, timeout_s=spec.timeout_s)
+        tp = init_tensor_parallel(rank, size, device, "127.0.0.1", port, timeout_s=spec.timeout_s,
+                                  external_store=True)
         ShardWorker(tp, spec, device).run()
+        tp.close()  # stopped politely: leave with rank 0, which shuts its groups down too
     except BaseException:  # reported to rank 0, which raises it when the group fails
-        errors.put((rank, traceback.format_exc()))
+        errors.send(traceback.format_exc())
 
 
 class ShardWorker:
@@ -103,9 +113,7 @@ class ShardWorker:
         from ..model.packed_linear import pack_linears_
         from .step_channel import StepMessage
 
-        settings = self.channel.receive()
-        if not isinstance(settings, ShardSettings):
-            raise RuntimeError(f"a worker expected its settings first, got {settings!r}")
+        settings = ShardSettings.from_json(self.channel.receive())
         model = self.model
         if settings.prepack_weights:
             pack_linears_(model)
@@ -151,26 +159,39 @@ class ShardWorker:
         kv_cache.release()
 
 
+@dataclass(frozen=True)
+class ExitedWorker:
+    """A worker process after `ShardWorkers.close` reaped it: what is left to know of it."""
+
+    name: str
+    pid: int
+    exitcode: int | None
+
+    def is_alive(self) -> bool:
+        return False
+
+
 class ShardWorkers:
     """Rank 0's handle on ranks 1 .. size - 1 (module docstring)."""
 
-    def __init__(self, tp: TensorParallelGroup, processes: list[Any], errors: Any, device: str) -> None:
+    def __init__(self, tp: TensorParallelGroup, processes: list[Any], errors: list[Connection], device: str,
+                 store: Any = None) -> None:
         from .step_channel import StepChannel
 
         self.tp = tp
         self.processes = processes
-        self.errors = errors
+        self.errors = errors  # one pipe's reading end per worker: a failing worker sends its traceback there
+        self.store = store  # the rendezvous rank 0 opened: it lives as long as the group
         on_gpu = torch.device(device).type == "cuda"
         if on_gpu:
             torch.cuda.set_device(0)  # rank 0's GPU, on the thread that will run the steps
         self.channel = StepChannel(tp, "cuda:0" if on_gpu else "cpu")
         self.closed = False
         self.failed = False  # set by the engine after a failed step: the ranks are out of step
-        # On the CPU the ranks share this host's cores: rank 0 takes its share too while the workers live (with
-        # all its threads it measured 344 ms a step of the bundled model at 3 ranks on 2 cores, with one 203 ms).
-        self._threads_before = torch.get_num_threads()
-        if torch.device(device).type == "cpu":
-            torch.set_num_threads(threads_per_rank(tp.size))
+        # On the CPU the ranks share this host's cores: rank 0 takes its share too while they compute together
+        # (with all its threads it measured 344 ms a step of the bundled model at 3 ranks on 2 cores, with one
+        # 203 ms). The engine applies it around its steps (launch.torch_threads), not to the whole process.
+        self.num_threads = threads_per_rank(tp.size) if not on_gpu else None
 
     @classmethod
     def start(cls, spec: WorkerSpec, size: int) -> "ShardWorkers":
@@ -181,19 +202,23 @@ class ShardWorkers:
             raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs (rank r on cuda:r); "
                              f"{torch.cuda.device_count()} are visible")
         context = mp.get_context("spawn")
-        errors = context.Queue()
-        port = free_port()
-        processes = [context.Process(target=_worker_main, args=(rank, size, port, spec, errors), daemon=True,
-                                     name=f"llm_runtime-tp-rank{rank}") for rank in range(1, size)]
-        for process in processes:
+        pipes = [context.Pipe(duplex=False) for _ in range(1, size)]  # (reading end, writing end) per worker
+        errors = [reader for reader, _ in pipes]
+        store = open_store(size)  # on a port the kernel picked: no other process can take it meanwhile
+        processes = [context.Process(target=_worker_main, args=(rank, size, store.port, spec, writer, os.getpid()),
+                                     daemon=True, name=f"llm_runtime-tp-rank{rank}")
+                     for rank, (_, writer) in enumerate(pipes, start=1)]
+        for process, (_, writer) in zip(processes, pipes):
             process.start()
+            writer.close()  # the worker holds its own copy
         device = "cuda:0" if spec.device == "cuda" else spec.device
         joined: list[TensorParallelGroup] = []
         failed: list[BaseException] = []
 
         def join() -> None:
             try:
-                joined.append(init_tensor_parallel(0, size, device, "127.0.0.1", port, timeout_s=spec.timeout_s))
+                joined.append(init_tensor_parallel(0, size, device, "127.0.0.1", store.port, timeout_s=spec.timeout_s,
+                                                   external_store=True))
             except BaseException as error:
                 failed.append(error)
 
@@ -213,38 +238,44 @@ class ShardWorkers:
             for process in processes:
                 process.kill()
                 process.join()
+                process.close()
+            for reader in errors:
+                reader.close()
             raise
-        return cls(joined[0], processes, errors, spec.device)
+        return cls(joined[0], processes, errors, spec.device, store)
 
     def configure(self, settings: ShardSettings) -> None:
         """Every worker's pool and backend (once, after rank 0 sized its own)."""
         with self.tp.patient():  # a worker still loading its shard receives it when it is done
-            self.channel.send_object(settings)
+            self.channel.send_json(settings.to_json())
 
     def check(self) -> str | None:
         """None while every worker lives; else what happened to the first that did not."""
-        for process in self.processes:
+        for rank, process in enumerate(self.processes, start=1):
             if not process.is_alive():
-                reported = self._reported()
+                reported = self._reported(rank)
                 return (f"tensor-parallel worker {process.name} exited (code {process.exitcode})"
-                        + (f":\n{reported}" if reported else ""))
+                        + (f":\nrank {rank}: {reported}" if reported else ""))
         return None
 
-    def _reported(self) -> str:
+    def _reported(self, rank: int) -> str:
+        """The traceback worker `rank` sent before it ended, if it sent one."""
+        reader = self.errors[rank - 1]
         try:
-            rank, text = self.errors.get_nowait()
-            return f"rank {rank}: {text}"
-        except Exception:  # queue.Empty, or a queue broken by the dead process
+            return str(reader.recv()) if reader.poll() else ""
+        except (EOFError, OSError):  # it ended without a word, or its pipe is closed already
             return ""
 
     def close(self) -> None:
-        """Stop the workers (politely where the group still works) and reap them; none is left running."""
+        """Stop the workers (politely where the group still works), shut the groups down and reap the workers;
+        none is left running, and no thread or socket of the groups either."""
         if self.closed:
             return
         self.closed = True
         if self.check() is None and not self.failed:
             try:
                 self.channel.send_stop()
+                self.tp.close(timeout_s=10.0)  # the workers leave too; past the deadline it tears down alone
             except Exception:  # a broken group: the workers are killed below
                 self.failed = True
         if self.failed or self.check() is not None:
@@ -254,7 +285,15 @@ class ShardWorkers:
             if process.is_alive():
                 process.kill()
                 process.join()
-        torch.set_num_threads(self._threads_before)
+        # What is left to know of them, and their handles' pipes closed (an engine kept after its shutdown holds
+        # no file of its workers).
+        reaped = [ExitedWorker(p.name, p.pid, p.exitcode) for p in self.processes]
+        for process in self.processes:
+            process.close()
+        self.processes = reaped
+        for reader in self.errors:
+            reader.close()
+        self.store = None
 
 
 def start_shard_workers(source: str | Path | None, size: int, *, device: str | torch.device = "auto",

@@ -37,6 +37,7 @@ from ..attention.selector import select_backend, unavailable_reason
 from ..config import EngineConfig
 from ..distributed.sharding import shard_model_, tensor_parallel_unsupported_reason
 from ..kv_transfer.payload import KVLayout, KVPayload, read_blocks, write_blocks
+from ..distributed.launch import torch_threads
 from ..distributed.workers import ShardSettings, ShardWorkers, WorkerSpec, start_shard_workers
 from ..errors import EngineDeadError, InvalidRequestError, SamplingError, is_device_fault
 from ..device import resolve_device
@@ -199,9 +200,11 @@ class LLMEngine:
                                                  self.attention_backend.name, is_packed(model),
                                                  pointwise_ops_of(model).name == "compiled", wants_compiled,
                                                  None if calibration is None else tuple(calibration)))
+        with self._compute_threads():
+            scales = self._calibrate_kv_scales(calibration)
         self.kv_cache = PagedKVCache.for_model(model.config, num_blocks, block_size, dtype=model.dtype,
                                                device=model.device, kv_cache_dtype=config.kv_cache_dtype,
-                                               kv_scales=self._calibrate_kv_scales(calibration))
+                                               kv_scales=scales)
         self.proposer = self._make_proposer(num_blocks)
         CPU_DEVICE.register(self)  # the emulated device's book of what live engines hold (kv_budget.py)
         self.is_shut_down = False
@@ -215,7 +218,8 @@ class LLMEngine:
         if wants_graphs:
             self._capture_graphs()
         if wants_compiled:
-            self._compile_forward()
+            with self._compute_threads():
+                self._compile_forward()
         if wants_native:
             self.model_runner.native = NativeStep(model, self.kv_cache, self.max_model_len, self.native_weights)
         self.input_processor = InputProcessor(tokenizer, model.config, config, context_len=context_len,
@@ -257,6 +261,11 @@ class LLMEngine:
             if workers is not None:
                 workers.close()
             raise
+
+    def _compute_threads(self) -> contextlib.AbstractContextManager[None]:
+        """Around work every rank does at once: rank 0's share of the CPU's cores (the workers compute beside it),
+        for that work only (distributed/launch.py's torch_threads); nothing changes for a single rank."""
+        return torch_threads(self.workers.num_threads if self.workers is not None else None)
 
     def _tensor_parallel_workers(self, workers: ShardWorkers | None) -> ShardWorkers | None:
         """The other ranks of a tensor_parallel_size > 1 engine: the ones given (LLM(...) started them and loaded
@@ -499,6 +508,7 @@ class LLMEngine:
         if self.model_runner.graphs is not None:
             self.model_runner.graphs.close()  # they point into the pool
             self.model_runner.graphs = None
+        self.model_runner.native = self.native_weights = None  # it holds the pool and the weights it points at
         self.kv_cache.release()
         if self.workers is not None:
             self.workers.close()
@@ -680,7 +690,8 @@ class LLMEngine:
             return []
         scheduled = time.perf_counter()
         self.profile.schedule += scheduled - start
-        result = self._run(batch)
+        with self._compute_threads():
+            result = self._run(batch)
         now = time.perf_counter()
         self._record_speculation(batch, result)
         self.scheduler.postprocess(batch, result.sampled, now, result.accepted)

@@ -78,14 +78,21 @@ class _Model(ctypes.Structure):
                 ("eps", ctypes.c_float), ("attention_scale", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)),
                 ("final_norm", _P), ("embed_q", _P), ("embed_d", _P), ("embed_dense", _P), ("head_q", _P),
                 ("head_d", _P), ("head_int4", _Int4Weight), ("head_rows", _I), ("head_dense", _P), ("cos", _P),
-                ("sin", _P), ("max_positions", _I), ("x", _P), ("h", _P), ("qkv", _P), ("attn", _P), ("act", _P),
-                ("t", _P), ("step", _P), ("xsum", _P), ("xf", _P), ("xblock", _P)]
+                ("sin", _P), ("max_positions", _I), ("num_blocks", _I), ("x", _P), ("h", _P), ("qkv", _P),
+                ("attn", _P), ("act", _P), ("t", _P), ("step", _P), ("xsum", _P), ("xf", _P), ("xblock", _P)]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("num_tokens", _I), ("num_logits", _I), ("input_ids", _P), ("positions", _P),
                 ("slot_mapping", _P), ("logits_indices", _P), ("query_start_loc", _P), ("block_tables", _P),
-                ("num_seqs", _I), ("table_stride", _I), ("logits", _P)]
+                ("num_seqs", _I), ("table_stride", _I), ("table_width", _I), ("logits", _P)]
+
+
+# native_step.c's refusals of a step whose indices point outside what they index (a caller's bug).
+_BAD_STEP = {2: "query_start_loc does not split the step's rows into its sequences (or the block tables' shape)",
+             3: "a token id outside the vocabulary", 4: "a position outside the model's rotary tables",
+             5: "a slot outside the KV pool", 6: "a block table entry outside the KV pool, or past its row",
+             7: "a logits row outside the step"}
 
 
 @functools.cache
@@ -225,10 +232,11 @@ def _dense(parts: list[torch.Tensor]) -> _DenseWeight:
 
 class NativeStep:
     """Runs steps of at most `max_tokens` tokens (MAX_TOKENS; 1 for dense bfloat16 layers) as one native call
-    over the engine's model and pool. Build it
-    after checking `native_step_unavailable_reason`; it reads the model's and the pool's tensors where they
-    are, so keep both alive and unchanged while it runs. A model with dense layers needs its `DenseWeights`
-    (built before its pool, so the pool's budget counts them)."""
+    over the engine's model and pool. Build it after checking `native_step_unavailable_reason`. It reads the model's
+    and the pool's tensors where they are, and holds them: it checks their shapes against the config once, and each
+    step's indices against the pool and the vocabulary (in C, before anything is read: a ValueError, never memory
+    overwritten). A model with dense layers needs its `DenseWeights` (built before its pool, so the pool's budget
+    counts them). The engine drops it at shutdown, with the pool."""
 
     def __init__(self, model: CausalLM, kv_cache: PagedKVCache, max_model_len: int,
                  dense: DenseWeights | None = None) -> None:
@@ -253,7 +261,9 @@ class NativeStep:
             cos, sin = (table[0].contiguous() for table in model.model.rotary_emb(positions, model.dtype))  # (L, d)
         widest = max(hidden, width, inner)
         act, rows = model.dtype, _C_MAX_TOKENS
-        self._keep = [cos, sin]  # every tensor the C side points at that nothing else holds
+        # Every tensor the C side points at, held here: a model changed later (repacked, quantized again) or a pool
+        # released leaves this step reading tensors that still exist, never freed memory.
+        self._keep: list[torch.Tensor] = [cos, sin]
         workspace = {name: self._tensor(shape, dtype) for name, shape, dtype in (
             ("x", (rows, hidden), act), ("h", (rows, hidden), act), ("qkv", (rows, qkv_rows), act),
             ("attn", (rows, width), act), ("act", (rows, inner), act), ("t", (rows, widest), torch.int16),
@@ -288,8 +298,9 @@ class NativeStep:
             head_int4=_int4(head) if isinstance(head, Int4Linear) else none4,
             head_rows=head.packed.shape[0] if isinstance(head, Int4Linear) else 0,
             head_dense=dense.head.data_ptr() if dense is not None else None,
-            cos=cos.data_ptr(), sin=sin.data_ptr(), max_positions=max_model_len,
+            cos=cos.data_ptr(), sin=sin.data_ptr(), max_positions=max_model_len, num_blocks=kv_cache.num_blocks,
             **{name: tensor.data_ptr() for name, tensor in workspace.items()})
+        self._keep += self._pointed_at(model, kv_cache, dense)
         self._call = (self.library.native_step_bf16 if not self.is_dense
                       else self.library.native_step_dense_bf16 if act == torch.bfloat16
                       else self.library.native_step_dense_f32)
@@ -301,8 +312,67 @@ class NativeStep:
         return tensor
 
     @staticmethod
+    def _pointed_at(model: CausalLM, kv_cache: PagedKVCache, dense: DenseWeights | None) -> list[torch.Tensor]:
+        """The model's and the pool's tensors whose addresses the C side keeps."""
+        held = [model.model.norm.weight, *kv_cache.keys, *kv_cache.values]
+        for i, layer in enumerate(model.model.layers):
+            held += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            if dense is not None:
+                held += [part for parts in dense.layers[i].values() for part in parts]
+            else:
+                for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                               layer.mlp.down_proj):
+                    held += [linear.packed, linear.scales_and_zeros]
+        embed, head = model.model.embed_tokens, model.lm_head
+        for module in (embed, head):
+            if isinstance(module, (Q8Embedding, Q8Head)):
+                held += [module.table.q, module.table.d]
+            elif isinstance(module, Int4Linear):
+                held += [module.packed, module.scales_and_zeros]
+        if isinstance(embed, nn.Embedding):
+            held.append(embed.weight)
+        if dense is not None:
+            held.append(dense.head)
+        return [tensor.detach() for tensor in held]
+
+    @staticmethod
     def _check_layouts(model: CausalLM, kv_cache: PagedKVCache, dense: DenseWeights | None) -> None:
-        """Every tensor the C side reads must be contiguous in the layout it assumes, in the model's dtype."""
+        """Every tensor the C side reads must be contiguous in the layout it assumes, in the model's dtype, and of the
+        shape it strides by (the config's sizes): a table or a pool of another shape would be read past its end."""
+        config = model.config
+        vocab, hidden, width = config.vocab_size, config.hidden_size, config.num_heads * config.head_dim
+        embed, head = model.model.embed_tokens, model.lm_head
+        shapes: list[tuple[str, torch.Tensor, tuple[int, ...]]] = [("the final norm", model.model.norm.weight,
+                                                                     (hidden,))]
+        for i, layer in enumerate(model.model.layers):
+            shapes += [(f"layer {i}'s norms", layer.input_layernorm.weight, (hidden,)),
+                       (f"layer {i}'s norms", layer.post_attention_layernorm.weight, (hidden,))]
+        pool = (kv_cache.num_blocks, kv_cache.block_size, config.num_kv_heads, config.head_dim)
+        shapes += [("the KV pool", tensor, pool) for tensor in (*kv_cache.keys, *kv_cache.values)]
+        if len(kv_cache.keys) != len(model.model.layers):
+            raise ValueError("the native step reads one KV pool per layer")
+        for name, module in (("embedding", embed), ("head", head)):
+            if isinstance(module, (Q8Embedding, Q8Head)):  # block-major: (blocks, vocab, 32) and (blocks, vocab)
+                shapes += [(f"the Q8_0 {name}", module.table.q, (hidden // 32, vocab, 32)),
+                           (f"the Q8_0 {name}'s scales", module.table.d, (hidden // 32, vocab))]
+            elif isinstance(module, Int4Linear) and module.out_features != vocab:
+                raise ValueError(f"the native step's int4 head has {module.out_features} rows, the vocabulary {vocab}")
+        if isinstance(embed, nn.Embedding):
+            shapes.append(("the embedding", embed.weight, (vocab, hidden)))
+        if dense is not None:
+            shapes.append(("the head", dense.head, (vocab, hidden)))
+            for i, parts in enumerate(dense.layers):
+                expected = {"qkv": width + 2 * config.num_kv_heads * config.head_dim, "o": hidden,
+                            "gate_up": 2 * config.intermediate_size, "down": hidden}
+                inputs = {"qkv": hidden, "o": width, "gate_up": hidden, "down": config.intermediate_size}
+                for name, tensors in parts.items():
+                    if sum(t.shape[0] for t in tensors) != expected[name] or any(
+                            t.dim() != 2 or t.shape[1] != inputs[name] for t in tensors):
+                        raise ValueError(f"the native step's layer {i} {name} weights are not the config's "
+                                         f"({expected[name]}, {inputs[name]})")
+        for what, tensor, shape in shapes:
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"the native step reads {what} as {shape}, the model holds {tuple(tensor.shape)}")
         tensors = [model.model.norm.weight, *kv_cache.keys, *kv_cache.values]
         for i, layer in enumerate(model.model.layers):
             tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
@@ -337,12 +407,20 @@ class NativeStep:
             assert tensor.dtype == torch.int64 and tensor.is_contiguous(), "the runner's index buffers are int64"
         assert tables.dtype == torch.int32 and tables.stride(1) == 1 and metadata.query_start_loc.is_contiguous()
         logits = torch.empty(logits_indices.shape[0], self.model.config.vocab_size, dtype=self.model.dtype)
+        num_seqs = metadata.num_seqs
+        if (positions.shape[0] != input_ids.shape[0] or metadata.slot_mapping.shape[0] != input_ids.shape[0]
+                or metadata.query_start_loc.shape[0] < num_seqs + 1 or tables.shape[0] < num_seqs):
+            raise ValueError("the native step was given a step whose index tensors do not match its tokens")
         step = _Step(num_tokens=input_ids.shape[0], num_logits=logits_indices.shape[0],
                      input_ids=input_ids.data_ptr(), positions=positions.data_ptr(),
                      slot_mapping=metadata.slot_mapping.data_ptr(), logits_indices=logits_indices.data_ptr(),
                      query_start_loc=metadata.query_start_loc.data_ptr(), block_tables=tables.data_ptr(),
-                     num_seqs=metadata.num_seqs, table_stride=tables.stride(0), logits=logits.data_ptr())
-        if self._call(ctypes.byref(self._model), ctypes.byref(step)) != 0:
+                     num_seqs=num_seqs, table_stride=tables.stride(0), table_width=tables.shape[1],
+                     logits=logits.data_ptr())
+        status = self._call(ctypes.byref(self._model), ctypes.byref(step))
+        if status in _BAD_STEP:
+            raise ValueError(f"the native step refused a step with {_BAD_STEP[status]}: nothing was read or written")
+        if status != 0:
             return None
         self.num_runs += 1
         return logits

@@ -149,6 +149,10 @@ class Latency:
     preempted: int
 
 
+# What the ranks send back is loaded as data only (run_on_ranks: weights_only=True); these are the classes it may hold.
+torch.serialization.add_safe_globals([StepTimes, Latency])
+
+
 def all_reduce_latency(tp: TensorParallelGroup, shape: tuple[int, ...], repeats: int, rounds: int = 3) -> Latency:
     """Time `rounds` rounds of `repeats` all-reduces of a float32 tensor of `shape`, back to back, on every rank:
     the lowest round's median (a burst of other work on the host spoils a round, not the figure), and that

@@ -236,8 +236,8 @@ int FN(native_step_dense)(const NativeModel *m, const NativeStep *s) {
             for (int p = 0; p < 3; p++)
                 if (weights[i]->rows[p] % 32) return 1;
     }
-    for (int64_t r = 0; r < N; r++)
-        if (s->positions[r] < 0 || s->positions[r] >= m->max_positions) return 1;
+    const int bad = check_step(m, s);
+    if (bad) return bad;
     ACT *x = (ACT *)m->x, *h = (ACT *)m->h, *qkv = (ACT *)m->qkv, *attn = (ACT *)m->attn, *act = (ACT *)m->act;
     #pragma omp parallel
     {

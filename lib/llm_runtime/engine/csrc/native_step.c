@@ -34,7 +34,11 @@
  * reading the plain (out, in) matrices in items of 32 output rows (native_stages.h, included once per dtype:
  * `native_step_dense_f32`, `native_step_dense_bf16`).
  *
- * Each step function returns 0, or 1 for a shape it does not take (the caller runs the step otherwise).
+ * Each step function returns 0, or 1 for a shape it does not take (the caller runs the step otherwise), or one of
+ * the STEP_BAD_* codes for a step whose indices point outside what they index (`check_step`: a token id past the
+ * vocabulary, a slot past the pool, a block table entry past the pool or its row, a logits row past the step, a
+ * position past the tables, query starts that do not partition the rows). Those are a caller's bug, refused before
+ * anything is read or written: an exception in the caller (native_step.py), never memory overwritten.
  */
 #include <math.h>
 #include <stdint.h>
@@ -77,6 +81,7 @@ typedef struct {
     Int4Weight head_int4; int64_t head_rows;          /* int4, head_rows (vocab padded to 64); or */
     const void *head_dense;                           /* (V, hidden) in the model's dtype */
     const void *cos, *sin; int64_t max_positions;     /* (max_positions, d) each, the model's own tables */
+    int64_t num_blocks;                               /* the pool's blocks (every layer's pools hold this many) */
     /* workspace, for MAX_TOKENS rows (the caller's buffers) */
     void *x, *h, *qkv, *attn, *act;                   /* (rows, hidden) x 2, (rows, qkv_rows), (rows, H d), (rows, I) */
     int16_t *t; float *step, *xsum;                   /* (rows, max K), (rows, max K / group) each */
@@ -87,9 +92,11 @@ typedef struct {
     int64_t num_tokens, num_logits;
     const int64_t *input_ids, *positions, *slot_mapping, *logits_indices; /* (N,), .., (R,) */
     const int32_t *query_start_loc, *block_tables;                        /* (B + 1,), (B, table_stride) */
-    int64_t num_seqs, table_stride;
+    int64_t num_seqs, table_stride, table_width;                          /* block_tables' rows: width entries */
     void *logits;                                                         /* (R, vocab), the model's dtype */
 } NativeStep;
+
+enum { STEP_BAD_SEQUENCES = 2, STEP_BAD_TOKEN, STEP_BAD_POSITION, STEP_BAD_SLOT, STEP_BAD_BLOCK, STEP_BAD_LOGITS_ROW };
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 static inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); } /* a bfloat16 tensor's value */
@@ -179,6 +186,31 @@ static inline int64_t sequence_of(const NativeStep *s, int64_t r) {
     int64_t b = 0;
     while (b + 1 < s->num_seqs && s->query_start_loc[b + 1] <= r) b++;
     return b;
+}
+
+/* 0 when every index the step reads or writes through lies inside what it indexes; else the first STEP_BAD_* that
+ * does not. A few hundred comparisons for a step of a few tokens (nothing next to its weights' reading). */
+static int check_step(const NativeModel *m, const NativeStep *s) {
+    const int64_t N = s->num_tokens, B = s->num_seqs, slots = m->num_blocks * m->block_size;
+    if (B <= 0 || B > N || s->table_width < 0 || s->table_stride < s->table_width || s->query_start_loc[0] != 0
+        || s->query_start_loc[B] != N)
+        return STEP_BAD_SEQUENCES;
+    for (int64_t b = 0; b < B; b++)
+        if (s->query_start_loc[b + 1] < s->query_start_loc[b]) return STEP_BAD_SEQUENCES;
+    for (int64_t r = 0; r < N; r++) {
+        const int64_t position = s->positions[r];
+        if (s->input_ids[r] < 0 || s->input_ids[r] >= m->vocab) return STEP_BAD_TOKEN;
+        if (position < 0 || position >= m->max_positions) return STEP_BAD_POSITION;
+        if (s->slot_mapping[r] < -1 || s->slot_mapping[r] >= slots) return STEP_BAD_SLOT;
+        const int64_t blocks = position / m->block_size + 1; /* the blocks this row's attention reads */
+        if (blocks > s->table_width) return STEP_BAD_BLOCK;
+        const int32_t *table = s->block_tables + sequence_of(s, r) * s->table_stride;
+        for (int64_t i = 0; i < blocks; i++)
+            if (table[i] < 0 || table[i] >= m->num_blocks) return STEP_BAD_BLOCK;
+    }
+    for (int64_t r = 0; r < s->num_logits; r++)
+        if (s->logits_indices[r] < 0 || s->logits_indices[r] >= N) return STEP_BAD_LOGITS_ROW;
+    return 0;
 }
 
 #undef CHUNK_SCORES /* paged_decode.c's last instantiation's */
@@ -279,8 +311,8 @@ int native_step_bf16(const NativeModel *m, const NativeStep *s) {
         || group > 256 || hidden % group || I % group || (m->num_heads * m->head_dim) % group
         || m->num_heads % m->num_kv_heads)
         return 1;
-    for (int64_t r = 0; r < N; r++)
-        if (s->positions[r] < 0 || s->positions[r] >= m->max_positions) return 1;
+    const int bad = check_step(m, s);
+    if (bad) return bad;
     int failed = 0; /* shared: set by a stage, read after the region */
     uint16_t *x = (uint16_t *)m->x, *h = (uint16_t *)m->h;
     #pragma omp parallel
