@@ -286,3 +286,93 @@ def test_packed_weights_get_a_plain_copy_that_the_budget_counts(dense) -> None:
     finally:
         packed_llm.shutdown()
     assert got[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+
+
+def _captured_step(model, **options):
+    """(engine, its NativeStep, a copy of one decode step's ModelInput it ran), the engine still alive."""
+    import copy
+
+    llm = LLM.from_model(model, None, kv_cache_memory=POOL, native_step=True, **options)
+    native, seen = llm.llm_engine.model_runner.native, []
+    run = native.run
+
+    def spy(model_input):
+        seen.append(copy.deepcopy(model_input))
+        return run(model_input)
+
+    native.run = spy
+    llm.generate([{"prompt_token_ids": _prompts(model.config.vocab_size, (20,))[0]}],
+                 SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    native.run = run
+    return llm, native, seen[-1]
+
+
+@needs_dense
+def test_a_step_out_of_bounds_is_refused_before_anything_is_read_or_written(dense) -> None:
+    """Indices past what they index (a slot past the pool, a block table entry past it, a token id past the
+    vocabulary, a position past the rotary tables, a logits row past the step, query starts that do not split
+    the rows) are refused with a ValueError naming them, the pool untouched; before, the C side wrote and read
+    wherever they pointed."""
+    import dataclasses
+
+    model = dense["float32"][0]
+    llm, native, good = _captured_step(model)
+    try:
+        pool = llm.llm_engine.kv_cache
+        before = [layer.clone() for layer in pool.keys]
+        meta, slots = good.metadata, pool.num_blocks * pool.block_size
+        tables = meta.block_tables.clone()
+        tables[0, 0] = pool.num_blocks
+        starts = meta.query_start_loc.clone()
+        starts[-1] += 1
+        broken = {
+            "a slot outside the KV pool": dataclasses.replace(good, metadata=dataclasses.replace(
+                meta, slot_mapping=torch.full_like(meta.slot_mapping, slots))),
+            "a block table entry outside the KV pool": dataclasses.replace(good, metadata=dataclasses.replace(
+                meta, block_tables=tables)),
+            "a token id outside the vocabulary": dataclasses.replace(
+                good, input_ids=torch.full_like(good.input_ids, model.config.vocab_size)),
+            "a position outside the model's rotary tables": dataclasses.replace(
+                good, positions=torch.full_like(good.positions, 10**9)),
+            "a logits row outside the step": dataclasses.replace(
+                good, logits_indices=torch.full_like(good.logits_indices, good.num_tokens)),
+            "query_start_loc does not split": dataclasses.replace(good, metadata=dataclasses.replace(
+                meta, query_start_loc=starts)),
+        }
+        for what, step in broken.items():
+            with pytest.raises(ValueError, match=what):
+                native.run(step)
+            assert all(torch.equal(a, b) for a, b in zip(before, pool.keys)), what
+        assert native.run(good) is not None  # the good step still runs
+    finally:
+        llm.shutdown()
+
+
+@needs_dense
+def test_the_step_holds_what_it_points_at_and_leaves_with_the_engine(dense) -> None:
+    """Every address the C side keeps is a tensor the step holds (a model repacked or a pool released later
+    cannot leave it pointing at freed memory); the engine's shutdown drops the step with its pool."""
+    model = dense["float32"][0]
+    llm, native, _ = _captured_step(model)
+    held = {tensor.data_ptr() for tensor in native._keep}
+    pointers = [getattr(native._model, name) for name, kind in native_step._Model._fields_ if kind is native_step._P]
+    for layer in native._layers:
+        pointers += [layer.input_norm, layer.post_norm, layer.key_pool, layer.value_pool]
+        pointers += [p for weight in (layer.dqkv, layer.dout, layer.dgate_up, layer.ddown) for p in weight.part]
+    assert [p for p in pointers if p and p not in held] == []
+    llm.shutdown()
+    assert llm.llm_engine.model_runner.native is None and llm.llm_engine.native_weights is None
+
+
+@needs_int4
+def test_q8_tables_of_another_shape_are_refused(gguf) -> None:
+    """A Q8_0 table whose vocabulary or width is not the config's (the C side strides by the config) is refused
+    where the step is built, not read past its end."""
+    import copy
+
+    model = copy.deepcopy(gguf[0])
+    table = model.model.embed_tokens.table
+    table.q = table.q[:, :-64].contiguous()  # 64 tokens fewer than the config's vocabulary
+    with LLM.from_model(gguf[0], None, kv_cache_memory=POOL, native_step=False) as llm:
+        with pytest.raises(ValueError, match="Q8_0 embedding"):
+            native_step.NativeStep(model, llm.llm_engine.kv_cache, 256)
