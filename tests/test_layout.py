@@ -51,3 +51,12 @@ def test_test_files_have_unique_names() -> None:
     tests = Path(__file__).parent
     names = [path.name for path in tests.rglob("test_*.py")]
     assert sorted({name for name in names if names.count(name) > 1}) == []
+
+
+def test_the_test_files_the_package_names_exist() -> None:
+    """A docstring that sends a reader to tests/... for the proof sends them to a file that is there."""
+    import re
+
+    tests = PACKAGE.parents[1] / "tests"
+    named = {match for path in PACKAGE.rglob("*.py") for match in re.findall(r"tests/[\w/]+\.py", path.read_text())}
+    assert named and [name for name in sorted(named) if not (tests.parent / name).exists()] == []

@@ -293,3 +293,12 @@ def test_drafts_that_end_the_grammar_are_verified_and_the_matcher_left_where_it_
     assert state.valid_prefix(answer) == answer and state.valid_prefix(answer + answer) == answer
     state.fill_drafts(answer, bitmask, 0)
     assert all(state.accept(token) for token in answer) and state.is_terminated
+
+
+def test_the_grammar_compilers_workers_stop_with_the_engine(tiny_chat_model) -> None:
+    model, tokenizer = tiny_chat_model
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=64))
+    compiler = engine.input_processor.grammar_compiler()
+    compiler.compile(Structured(regex="a+"))
+    engine.shutdown()
+    assert compiler._workers._shutdown  # (before, its two threads lived on after every engine)

@@ -186,3 +186,47 @@ def test_a_request_claims_only_blocks_of_its_own_prompt(tiny_chat_model, produce
         sender.close()
         agent.close()
         engine.shutdown()
+
+
+def test_a_request_that_fails_to_join_lets_its_claimed_blocks_go(tiny_chat_model, producer) -> None:
+    """The claim is made as the request is added between steps; when adding it fails, the blocks it claimed go
+    with it (before, they stayed held, out of everyone's reach, for the server's life)."""
+    payload = _exported(producer, PROMPT, "joins-not")
+    engine, agent, async_engine = _consumer(tiny_chat_model)
+    sender = KVSender()
+    add = engine.add_processed
+
+    def failing(request):
+        raise RuntimeError("injected: this request cannot join")
+
+    async def scenario():
+        await async_engine.start()
+        sender.send(payload, *agent.address)
+        await _until(lambda: agent.ready("joins-not"))
+        engine.add_processed = failing
+        streams = await async_engine.add_requests([PROMPT], SamplingParams(max_tokens=2), kv_transfer_params={
+            "do_remote_prefill": True, "transfer_id": "joins-not"})
+        with pytest.raises(RuntimeError, match="cannot join"):
+            await _tokens(streams[0])
+        engine.add_processed = add
+        await async_engine.stop()
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 60))
+        assert not engine.block_manager.imports and engine.block_manager.num_free_blocks == 64
+    finally:
+        sender.close()
+        agent.close()
+        engine.shutdown()
+
+
+def test_the_tables_of_refused_and_unwanted_transfers_are_bounded(monkeypatch) -> None:
+    from collections import OrderedDict
+
+    from llm_runtime.kv_transfer import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "MAX_REMEMBERED", 8)
+    table: OrderedDict[str, float] = OrderedDict()
+    for i in range(100):  # a flood of refused payloads under fresh transfer ids
+        agent_module._remember(table, f"t{i}")
+    assert list(table) == [f"t{i}" for i in range(92, 100)]

@@ -29,11 +29,17 @@ def test_the_unpacked_mask_is_xgrammars_own(compiler, bundled_tokenizer) -> None
     bitmask = allocate_bitmask(3, VOCAB)
     state.fill(bitmask, 1)
     logits = torch.randn(3, VOCAB)
-    theirs = logits.clone()
+    theirs, before = logits.clone(), logits.clone()
     xgrammar.apply_token_bitmask_inplace(theirs, bitmask)
     ours = apply_bitmask(logits, bitmask[1:2], [1])
-    assert torch.equal(ours[1], theirs[1]) and torch.equal(ours[0], logits[0]) and torch.equal(ours[2], logits[2])
-    assert not torch.equal(ours, logits) and math.isinf(float(ours[1].min()))  # a new tensor; the input kept
+    assert torch.equal(ours[1], theirs[1]) and torch.equal(ours[0], before[0]) and torch.equal(ours[2], before[2])
+    assert ours is logits and math.isinf(float(ours[1].min()))  # in place: no copy of the (R, V) logits
+    scattered = apply_bitmask(before.clone(), torch.cat([bitmask[1:2], bitmask[1:2]]), [0, 2])  # rows apart
+    refused = torch.isinf(theirs[1])
+    for row in (0, 2):
+        assert torch.equal(torch.isinf(scattered[row]), refused)
+        assert torch.equal(scattered[row][~refused], before[row][~refused])
+    assert torch.equal(scattered[1], before[1])
     allowed = unpack_bitmask(bitmask[1:2], VOCAB)[0]
     digits = [t for t in range(len(bundled_tokenizer)) if re.fullmatch("[0-9]{1,4}", bundled_tokenizer.decode([t]))]
     assert allowed[digits].all() and 0 < int(allowed.sum()) < 200  # digits (and digit runs), nothing else

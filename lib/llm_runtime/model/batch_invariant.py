@@ -32,7 +32,7 @@ reduction may split a row over thread blocks when there are few rows):
 - embedding, rotary, SiLU-and-multiply and the residual adds are elementwise; the sampler's log-softmax over
   the vocabulary takes one thread block per row whatever the batch.
 The CUDA path has been run under Triton's interpreter on the CPU (its tests) and reviewed, not yet on a GPU:
-tests/engine/test_batch_invariance_cuda.py is the GPU-marked matrix.
+the GPU-marked tests at the end of tests/engine/test_batch_invariance_triton.py are its matrix.
 
 Quantized layers (int8, int4, the GGUF's Q8_0 head) are refused: their kernels have not been checked row by row.
 torch.compile generates its own kernels per shape, and CUDA graphs are not used with this mode: both off.

@@ -22,17 +22,22 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """logits (B, V) with rows[i] masked by bitmask[i] (refused tokens at -inf); a new tensor, the input unchanged
-    (it may be a CUDA graph's output buffer)."""
+    """logits (B, V) with rows[i] masked by bitmask[i] (refused tokens at -inf), in place; returns `logits`. Only
+    the constrained rows are touched: a run of consecutive rows (one constrained request, or all of them) is masked
+    where it lies, without a copy; scattered rows through one gathered copy of those rows alone, never of the whole
+    (B, V). (The input may be a CUDA graph's output buffer: its next replay writes it anew.)"""
     if not rows:
         return logits
     # On CUDA both copies come from pinned host memory, so they are queued behind the forward pass without
     # waiting for it: a copy from pageable memory would block the host until the stream is done, and the time
     # the mask work hides behind would be lost (the step profile would also charge it to the grammar).
     pinned = logits.device.type == "cuda"
-    index = torch.tensor(rows, pin_memory=pinned).to(logits.device, non_blocking=True)
     if pinned and not bitmask.is_pinned():
         bitmask = bitmask.pin_memory()
-    allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[1])  # (R, V)
-    masked = logits.index_select(0, index).masked_fill(~allowed, -math.inf)
-    return logits.index_put((index,), masked)
+    refused = ~unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[1])  # (R, V)
+    first = rows[0]
+    if rows == list(range(first, first + len(rows))):
+        logits[first : first + len(rows)].masked_fill_(refused, -math.inf)
+        return logits
+    index = torch.tensor(rows, pin_memory=pinned).to(logits.device, non_blocking=True)
+    return logits.index_put_((index,), logits.index_select(0, index).masked_fill_(refused, -math.inf))
