@@ -9,6 +9,7 @@ the int4 and int8 quantized products). Whoever chooses a path asks it: `resolve_
 attention backends. On the CPU, `LLM_RUNTIME_DEVICE_PROFILE=t4 | a100 | h100` makes the profile that GPU's:
 the run still computes on the CPU, but takes that GPU's dtype default and refuses what it would refuse (its
 dtypes, its kernels, more memory than it has), so a CPU run catches a lesson that would raise on a reader's T4.
+`LLM_RUNTIME_CPU_ISA=avx2` plays a CPU without AVX-512 the same way (`cpu_target`: what the C kernels are built for).
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from dataclasses import dataclass
 import torch
 
 DEVICE_PROFILE_ENV = "LLM_RUNTIME_DEVICE_PROFILE"
+CPU_ISA_ENV = "LLM_RUNTIME_CPU_ISA"
+# What the package's C kernels are built for (-march): this CPU's own instructions, or an x86-64 CPU without
+# AVX-512 (x86-64-v3: AVX2 and FMA, a laptop's or an older server's), which a run on any x86 machine can play.
+CPU_TARGETS = {"native": "native", "avx2": "x86-64-v3"}
 AMPERE = (8, 0)  # bfloat16 in hardware, FlashAttention 2, Triton's flex templates, the quantized kernels
 
 
@@ -109,6 +114,18 @@ def device_profile(device: torch.device | str = "cpu", environ: Mapping[str, str
     if name not in EMULATED_PROFILES:
         raise ValueError(f"{DEVICE_PROFILE_ENV} must be one of cpu, {', '.join(EMULATED_PROFILES)}, got {name!r}")
     return EMULATED_PROFILES[name]
+
+def cpu_target(environ: Mapping[str, str] | None = None) -> str:
+    """The -march the package's C kernels are built for: "native" (this CPU's instructions), or with
+    `LLM_RUNTIME_CPU_ISA=avx2` in `environ` "x86-64-v3": the kernels as a CPU without AVX-512 builds them, so a
+    run here takes every path such a CPU takes (the native step and the AVX-512 kernels unavailable, with their
+    reason), as the device profile plays a GPU. (PyTorch's own kernels follow ATEN_CPU_CAPABILITY and
+    ONEDNN_MAX_CPU_ISA; `make test` sets those too.)"""
+    name = (os.environ if environ is None else environ).get(CPU_ISA_ENV, "").strip().lower() or "native"
+    if name not in CPU_TARGETS:
+        raise ValueError(f"{CPU_ISA_ENV} must be one of {', '.join(CPU_TARGETS)}, got {name!r}")
+    return CPU_TARGETS[name]
+
 
 _DTYPE_NAMES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,

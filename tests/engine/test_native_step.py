@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llm_runtime import LLM, SamplingParams
+from llm_runtime import LLM, SamplingParams, encode_chat
 from llm_runtime.config import ModelConfig
 from llm_runtime.engine.kv_budget import CPU_DEVICE, tensor_bytes
 from llm_runtime.engine import native_step
@@ -111,22 +111,43 @@ def test_logits_agree_with_the_eager_path(gguf, which: str) -> None:
     assert clear.sum() >= 4 or which != "gguf"  # the random model's logits are flat: few clear winners
 
 
+# Where two paths' bfloat16 logits may differ: two roundings of a logit between 16 and 32 (an ulp there is 0.125),
+# the bundled model's largest logits. Two tokens this close are a tie that either path may break its own way.
+BF16_TIE = 0.25
+
+
+def assert_same_to_rounding(reference, other, tie: float = BF16_TIE) -> int:
+    """Two greedy completions (with logprobs=2) of paths whose kernels round differently in half precision: the
+    same tokens as far as they go, and where they part, the reference's two likeliest tokens were within `tie` of
+    each other (a tie that a rounding flips), the other path's choice one of them. The tokens they share."""
+    same = next((i for i, (a, b) in enumerate(zip(reference.token_ids, other.token_ids)) if a != b),
+                min(len(reference.token_ids), len(other.token_ids)))
+    if same < min(len(reference.token_ids), len(other.token_ids)):
+        entry = reference.logprobs[same]
+        chosen, theirs = reference.token_ids[same], other.token_ids[same]
+        assert theirs in entry and entry[chosen] - entry[theirs] <= tie, (same, entry, theirs)
+    return same
+
+
 @needs_int4
 def test_the_chat_answer_and_the_eager_tokens(gguf) -> None:
+    """The GGUF model's chat answer, native and eager: the same greedy tokens, and where they part (a norm's sum in
+    another order flips a bfloat16 rounding now and then), a tie of the eager path's two likeliest tokens. Which
+    answer a half-precision model gives depends on the CPU's kernels (on one AMD EPYC its first token is a tie in
+    bfloat16, and the answer is not "Paris"): the answer's text is asserted in float32
+    (test_dense_float32_gives_the_eager_and_compiled_tokens)."""
     model, tokenizer = gguf
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    params = SamplingParams(temperature=0, max_tokens=12)
-    texts, tokens = {}, {}
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2)
+    outputs = {}
     for name, options in (("native", {"native_step": True}), ("eager", {"enforce_eager": True})):
         llm = LLM.from_model(model, tokenizer, kv_cache_memory=POOL, **options)
         try:
-            output = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
-            texts[name], tokens[name] = output.text, output.token_ids
+            outputs[name] = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
             assert (llm.llm_engine.stats().num_native_steps > 0) == (name == "native")
         finally:
             llm.shutdown()
-    assert texts["native"].startswith("The capital of France is Paris.")
-    assert tokens["native"] == tokens["eager"]
+    assert assert_same_to_rounding(outputs["eager"], outputs["native"]) >= 4
 
 
 @needs_int4
@@ -225,10 +246,12 @@ def test_dense_float32_gives_the_eager_and_compiled_tokens(dense) -> None:
     engine that owns its model leaves its weights plain for the native step (not packed: no second copy)."""
     model, tokenizer = dense["float32"]
     prompts = [tokenizer.encode(text) for text in (TEXT, "def fibonacci(n):", "The capital of France is")]
+    prompts.append(encode_chat(tokenizer, [{"role": "user", "content": "What is the capital of France?"}]))
     native, (stats, _) = _generate(model, prompts, native_step=True)
     assert stats.num_native_steps > 0 and not stats.prepacked_weights
     assert native == _generate(model, prompts, enforce_eager=True)[0]
     assert native == _generate(model, prompts, compile_model=True, native_step=False)[0]
+    assert tokenizer.decode(native[-1]).startswith("The capital of France is Paris.")  # float32: on any CPU
 
 
 @needs_dense
@@ -256,22 +279,26 @@ def test_dense_rows_alone_whatever_the_batch(dense, dtype: str, monkeypatch) -> 
 
 
 @needs_dense
-def test_packed_weights_get_a_plain_copy_that_the_budget_counts(dense) -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_packed_weights_get_a_plain_copy_that_the_budget_counts(dtype: str) -> None:
     """Asked to pack (prepack_weights=True), the engine packs the model in place and the native step reads a
     plain copy, which the memory book counts; the tokens are the plain model's. Not asked, an owned model stays
-    plain and the native step's weights are the model's own tensors (counted once)."""
-    model, tokenizer = load_model(dtype="bfloat16")
+    plain and the native step's weights are the model's own tensors (counted once). The two engines' prompts run
+    through oneDNN's packed and plain products, whose roundings differ: in bfloat16 the tokens agree to that
+    rounding (the same until a tie), in float32 exactly."""
+    model, tokenizer = load_model(dtype=dtype)
     prompt = [tokenizer.encode(TEXT)[:24]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     before = CPU_DEVICE.held_bytes(model.device)  # other tests' engines still alive
     plain_llm = LLM.from_model(model, None, kv_cache_memory=POOL, owns_model=True)
     try:
         engine = plain_llm.llm_engine
         assert engine.stats().native_step and not engine.stats().prepacked_weights
-        assert engine.model_runner.native.max_tokens == 1  # dense bfloat16: batch-1 steps (DENSE_BF16_MAX_TOKENS)
+        assert engine.model_runner.native.max_tokens == (1 if dtype == "bfloat16" else MAX_TOKENS)  # (dense bf16)
         assert tensor_bytes(engine.native_weights) > 0
         # the same storages as the model's: nothing copied, and the memory book counts them once
         assert CPU_DEVICE.held_bytes(model.device) - before == engine.kv_pool_bytes + tensor_bytes(model)
-        expected = plain_llm.generate([{"prompt_token_ids": p} for p in prompt], GREEDY, use_tqdm=False)
+        expected = plain_llm.generate([{"prompt_token_ids": p} for p in prompt], params, use_tqdm=False)
     finally:
         plain_llm.shutdown()
     before = CPU_DEVICE.held_bytes(model.device)
@@ -281,11 +308,15 @@ def test_packed_weights_get_a_plain_copy_that_the_budget_counts(dense) -> None:
         assert engine.stats().native_step and engine.stats().prepacked_weights
         held = CPU_DEVICE.held_bytes(model.device) - before
         assert held > engine.kv_pool_bytes + tensor_bytes(model)  # the plain copy counts too
-        got = packed_llm.generate([{"prompt_token_ids": p} for p in prompt], GREEDY, use_tqdm=False)
+        got = packed_llm.generate([{"prompt_token_ids": p} for p in prompt], params, use_tqdm=False)
         assert engine.stats().num_native_steps > 0
     finally:
         packed_llm.shutdown()
-    assert got[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    plain, packed = expected[0].outputs[0], got[0].outputs[0]
+    if dtype == "float32":
+        assert packed.token_ids == plain.token_ids
+    else:
+        assert assert_same_to_rounding(plain, packed) >= 4
 
 
 def _captured_step(model, **options):

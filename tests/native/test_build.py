@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from llm_runtime.device import cpu_target
 from llm_runtime.native import build
 
 COMPILER = build._compiler("CC", "cc", "gcc", "clang")
@@ -40,6 +41,8 @@ def test_another_host_name_with_the_same_cpu_reuses_the_build(monkeypatch: pytes
     assert _built(cache) == first and len(first) == 1
 
 
+@pytest.mark.skipif(cpu_target() != "native", reason="the C kernels are built for a played CPU "
+                                                   "(LLM_RUNTIME_CPU_ISA), not this one's -march=native")
 def test_another_cpu_builds_again(monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
     monkeypatch.setattr(build, "_cpu_flags", lambda: "fpu sse sse2 avx avx2 fma")
     (laptop,) = _built(cache)
@@ -75,3 +78,13 @@ def test_the_compiler_resolves_native_to_this_cpus_instruction_set() -> None:
             enabled = f"-m{extension}" in target.split() or f"+{extension}" in target.split()
             assert enabled == (extension in flags), extension
     assert build._compiler_target(COMPILER, ("-O1",)) != target  # the default target is not this CPU's
+
+
+def test_playing_a_cpu_without_avx512_builds_for_it(monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
+    """LLM_RUNTIME_CPU_ISA=avx2 builds the kernels as a CPU without AVX-512 would (-march=x86-64-v3), into a file
+    of their own: the native step then reports itself unavailable, with its reason."""
+    monkeypatch.setenv("LLM_RUNTIME_CPU_ISA", "avx2")
+    assert cpu_target() == "x86-64-v3" and build._targeted(((("-O3", "-march=native"),)))[0][1] == "-march=x86-64-v3"
+    monkeypatch.setenv("LLM_RUNTIME_CPU_ISA", "sparc")
+    with pytest.raises(ValueError, match="LLM_RUNTIME_CPU_ISA must be one of native, avx2"):
+        cpu_target()

@@ -13,7 +13,8 @@ the CPU's own flags (`_cpu_flags`). Not the host's name: a cache folder copied t
 whose CPU lacks an instruction the build used must build again, not load code that dies of SIGILL, and the
 same CPU under another name may reuse it.
 
-Each caller gives its flag sets, tried in order (the fastest build the compiler accepts first); when no
+Each caller gives its flag sets, tried in order (the fastest build the compiler accepts first; `-march=native`
+as device.cpu_target says, so `LLM_RUNTIME_CPU_ISA=avx2` builds what a CPU without AVX-512 would); when no
 compiler is found or every flag set fails, `build_library` raises `KernelUnavailable` with the
 compiler's message, and the caller falls back to PyTorch operators.
 
@@ -169,6 +170,15 @@ def _compiler(variable: str, *names: str) -> str | None:
     return os.environ.get(variable) or next(filter(None, map(shutil.which, names)), None)
 
 
+def _targeted(flag_sets: tuple[tuple[str, ...], ...]) -> tuple[tuple[str, ...], ...]:
+    """The flag sets with `-march=native` as the device says (device.cpu_target: this CPU, or one it plays)."""
+    from ..device import cpu_target
+
+    target = cpu_target()
+    return tuple(tuple(f"-march={target}" if flag == "-march=native" else flag for flag in flags)
+                 for flags in flag_sets)
+
+
 def build_library(name: str, source_dir: Path, sources: tuple[str, ...], compiled: tuple[str, ...],
                   flag_sets: tuple[tuple[str, ...], ...] = FLAG_SETS) -> ctypes.CDLL:
     """The library `name` built from `compiled` (C files in `source_dir`; `sources` are every file the
@@ -180,7 +190,7 @@ def build_library(name: str, source_dir: Path, sources: tuple[str, ...], compile
     hashed = [source_dir / file for file in sources] + sorted(INCLUDE_DIR.glob("*.h"))
     folder = default_cache_dir() / "kernels"
     errors = []
-    for flags in flag_sets:
+    for flags in _targeted(flag_sets):
         target = folder / f"{name}-{_cache_key((compiler,), flags, hashed)}.so"
         error = None if target.is_file() else _compile(compiler, flags, source_dir, compiled, target)
         if error is None:
@@ -206,7 +216,7 @@ def build_torch_library(name: str, source: Path, c_sources: tuple[Path, ...], de
                      | set(INCLUDE_DIR.glob("*.h")))
     folder = default_cache_dir() / "kernels"
     errors = []
-    for flags in flag_sets:
+    for flags in _targeted(flag_sets):
         def commands(objects: str, output: str) -> list[list[str]]:
             compiled = [[c_compiler, *flags, "-fPIC", "-c", "-I", str(path.parent), "-I", str(INCLUDE_DIR), str(path),
                          "-o", str(Path(objects) / f"{path.stem}.o")] for path in c_sources]

@@ -33,9 +33,12 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    # JSON without optional whitespace: `{"a": 1, "b": 2}` and no other spacing (the model cannot pad it, and more
-    # of every object is fixed text, which jump-forward takes without sampling). False: any whitespace.
-    disable_any_whitespace: bool = False
+    # JSON as an encoder writes it, `{"a": 1, "b": [2, 3]}` and no other spacing: the model cannot spend its tokens
+    # on newlines and indents (at temperature 1 the bundled model does: scripts/structured_valid_rate.py measured 36
+    # of 62 requests valid within max_tokens=96 with any whitespace, 49 with this), and more of every object is
+    # fixed text, which jump-forward takes without sampling. False: any whitespace between tokens, vLLM's default
+    # (this default is not vLLM's).
+    disable_any_whitespace: bool = True
 
     def __post_init__(self) -> None:
         given = [kind for kind in CONSTRAINT_KINDS if getattr(self, kind) not in (None, False)]

@@ -76,7 +76,8 @@ class StructuredOutputs(_Strict):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    disable_any_whitespace: bool = False
+    # JSON as an encoder writes it by default (unlike vLLM's default): false allows any whitespace between tokens
+    disable_any_whitespace: bool = True
 
     def params(self) -> StructuredOutputsParams:
         """The constraint; InvalidRequestError naming `structured_outputs.<field>` when it is malformed."""
