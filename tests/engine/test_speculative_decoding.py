@@ -1,8 +1,9 @@
 """Speculative decoding in the engine (lesson 14): greedy output identical to the engine without it, under
 continuous batching, chunked prefill, paging, prefix hits, forks, preemption and aborts, with no block leaked;
-stop rules among kept drafts; logprobs; seeded requests reproducible; sampled output distributed as without
-speculation (a chi-square test per position on thousands of seeded draws); a draft model that agrees with
-the target keeps every guess; the counters the engine reports.
+stop rules among kept drafts; logprobs; a seeded request's tokens exactly its tokens without speculation,
+alone or in any batch, whatever its drafts (even a draft model whose distribution moves with its batch);
+unseeded sampled output distributed as without speculation (a chi-square test per position on thousands of
+draws); a draft model that agrees with the target keeps every guess; the counters the engine reports.
 
 Tiny random-weight models in float64 (batch composition cannot flip an argmax there); their greedy output
 falls into loops within a few tokens, which is where prompt lookup finds its guesses.
@@ -132,12 +133,13 @@ def test_stop_tokens_and_max_tokens_among_kept_drafts(tiny_pairs) -> None:
         assert len(tokens) <= stopping[int(i)][1].max_tokens
 
 
-def _seeded_draws(model, prompts, params, num_seeds: int, **options) -> list[list[int]]:
-    """The output of every (prompt, seed): seeds 0 .. num_seeds - 1 for each prompt, all in one engine."""
+def _draws(model, prompts, params, num_draws: int, engine_seed: int, **options) -> list[list[int]]:
+    """The output of `num_draws` unseeded requests per prompt, all in one engine whose own generator draws from
+    `engine_seed`."""
     engine = LLMEngine(model, None, EngineConfig(max_num_seqs=256, max_num_batched_tokens=4096, num_kv_blocks=2048,
-                                                 block_size=BLOCK_SIZE, enable_prefix_caching=True, **options))
-    requests = [(prompt, SamplingParams(**{**params, "seed": seed}))
-                for prompt in prompts for seed in range(num_seeds)]
+                                                 block_size=BLOCK_SIZE, enable_prefix_caching=True, seed=engine_seed,
+                                                 **options))
+    requests = [(prompt, SamplingParams(**params)) for prompt in prompts for _ in range(num_draws)]
     results = run_all(engine, requests, arrive_every=1)
     assert_no_leak(engine)
     return [results[str(i)][0] for i in range(len(requests))], engine.stats()
@@ -171,16 +173,16 @@ def _sharpened(model, factor: float):
 
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
 def test_sampled_output_is_distributed_as_without_speculation(tiny_pairs, top_p: float) -> None:
-    """Temperature 1 (and top-p 0.8): the first 6 tokens of 2 x 1,000 seeded requests, with and without prompt
-    lookup, by position. The seeds' draws differ between the two runs (speculation spends a request's draws
-    otherwise), so the samples are independent; a chi-square test per position, each bin at least 20 draws
-    in all: far below the 0.1 % quantile of its degrees of freedom."""
+    """Temperature 1 (and top-p 0.8): the first 6 tokens of 2 x 1,000 unseeded requests, with and without prompt
+    lookup (rejection sampling), by position. The engines draw from other seeds, so the samples are
+    independent; a chi-square test per position, each bin at least 20 draws in all: far below the 0.1 %
+    quantile of its degrees of freedom. (A seeded request keeps exactly its tokens: the next test.)"""
     model = _sharpened(tiny_pairs["llama3"][0], 3.0)
     vocab, num_seeds, length = model.config.vocab_size, 1000, 6
     prompts = [[11, 12, 13, 11, 12, 13, 11, 12], [40, 41, 40, 41, 40]]
     params = dict(temperature=1.0, top_p=top_p, max_tokens=length, ignore_eos=True)
-    plain, _ = _seeded_draws(model, prompts, params, num_seeds)
-    speculative, stats = _seeded_draws(model, prompts, params, num_seeds, speculative_config=NGRAM)
+    plain, _ = _draws(model, prompts, params, num_seeds, engine_seed=1)
+    speculative, stats = _draws(model, prompts, params, num_seeds, engine_seed=2, speculative_config=NGRAM)
     assert stats.num_draft_tokens > 1000 and 300 < stats.num_accepted_tokens < stats.num_draft_tokens - 300
     for position in range(length):
         for p in range(len(prompts)):
@@ -224,16 +226,17 @@ def test_a_draft_model_that_agrees_keeps_every_guess(tiny_pairs) -> None:
 
 
 def test_a_sampling_draft_model_keeps_the_distribution(tiny_pairs) -> None:
-    """Drafts drawn from another model's distribution (q is not p): the 4 tokens of 1,500 seeded requests
-    follow the target's distribution as without speculation (chi-square per position)."""
+    """Drafts drawn from another model's distribution (q is not p), kept by rejection sampling: the 4 tokens of
+    1,500 unseeded requests follow the target's distribution as without speculation (chi-square per position,
+    the engines drawing from other seeds)."""
     model, _ = tiny_pairs["llama3"]
     prompts, num_seeds, length = [[21, 22, 23, 24]], 1500, 4
     params = dict(temperature=1.0, max_tokens=length, ignore_eos=True)
-    plain, _ = _seeded_draws(model, prompts, params, num_seeds)
+    plain, _ = _draws(model, prompts, params, num_seeds, engine_seed=1)
     draft = {"method": "draft", "model": "given", "num_speculative_tokens": 2}
-    engine = LLMEngine(model, None, EngineConfig(max_num_seqs=256, num_kv_blocks=1024, speculative_config=draft),
-                       draft_model=tiny_pairs["llama2"][0])
-    requests = [(prompts[0], SamplingParams(**{**params, "seed": seed})) for seed in range(num_seeds)]
+    engine = LLMEngine(model, None, EngineConfig(max_num_seqs=256, num_kv_blocks=1024, speculative_config=draft,
+                                                 seed=2), draft_model=tiny_pairs["llama2"][0])
+    requests = [(prompts[0], SamplingParams(**params)) for _ in range(num_seeds)]
     results = run_all(engine, requests, arrive_every=1)
     speculative = [results[str(i)][0] for i in range(num_seeds)]
     stats = engine.stats()
@@ -325,6 +328,44 @@ def test_seeded_requests_are_reproducible_with_a_draft_model(tiny_pairs) -> None
     crowded = _finals(LLMEngine(model, None, EngineConfig(num_kv_blocks=128, speculative_config=DRAFT),
                                 draft_model=draft), others + [request] + others)["4"]
     assert crowded.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_a_seeded_requests_tokens_are_a_function_of_its_prompt_params_and_model(tiny_pairs, monkeypatch) -> None:
+    """A draft model whose distribution moves with the batch it runs in (its logits shifted by the number of
+    rows, as a half-precision draft's rounding moves with its kernels' shapes): seeded requests alone, among
+    other seeded and unseeded requests arriving at other times, and without speculation at all give exactly the
+    same tokens, with sampled and with sure (prompt lookup) drafts. Before, rejection sampling's outcome depended
+    on the draft's distribution: the bundled model's seeded request changed beside six others with its own
+    weights in 4 bits as the draft."""
+    model, draft = tiny_pairs["llama3"][0], copy.deepcopy(tiny_pairs["llama2"][0])
+    compute_logits = type(draft).compute_logits
+    shift = torch.randn(model.config.vocab_size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def batch_sensitive(self, hidden):
+        logits = compute_logits(self, hidden)  # (rows, vocab)
+        return logits + 0.3 * logits.shape[0] * shift
+
+    monkeypatch.setattr(draft, "compute_logits", batch_sensitive.__get__(draft))
+    seeded = [([7, 8, 9, 10, 7, 8], SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True))
+              for s in (123, 2**63 - 1, 0)]
+    crowd = [([5, 6, 5, 6, 5], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)),
+             ([30, 31, 32], SamplingParams(temperature=0.8, seed=9, max_tokens=20, ignore_eos=True))] * 3
+
+    def tokens(requests, **options):
+        engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=256, **options),
+                           draft_model=draft if "speculative_config" in options and
+                           options["speculative_config"]["method"] == "draft" else None)
+        results = run_all(engine, requests, arrive_every=1)
+        assert_no_leak(engine)
+        return results, engine.stats()
+
+    plain, _ = tokens(seeded)
+    for spec in (DRAFT, NGRAM):
+        alone, stats = tokens(seeded, speculative_config=spec)
+        crowded, _ = tokens(crowd[:3] + seeded + crowd[3:], speculative_config=spec)
+        assert stats.num_accepted_tokens > 0 or spec is NGRAM  # (at temperature 1 this model rarely loops)
+        for i in range(len(seeded)):
+            assert alone[str(i)] == plain[str(i)] == crowded[str(i + 3)], (spec["method"], i)
 
 
 def test_the_draft_models_pool_is_inside_the_kv_budget(tiny_pairs) -> None:

@@ -18,8 +18,16 @@ residual's total mass, so the two add up to min(p, q) + max(0, p - q) = p(x). Ea
 same argument given the tokens before it. Greedy requests pass one-hot p (their argmax): a draft is kept
 exactly when it is the argmax, and the replacement is the argmax, so greedy output is unchanged.
 
-Randomness comes from the caller (the uniforms and the race noise), so seeded requests draw from their
-own generators, as in `Sampler`.
+Randomness comes from the caller (the uniforms and the race noise), as in `Sampler`.
+
+A seeded request is verified otherwise (`RejectionSampler`): its token at each position is the one its own
+sampler would draw there without speculation (the exponential race over p with its seed's noise at that draw),
+and a draft is kept exactly when it is that token. Its output is then a function of its prompt, its parameters
+and the target model alone: what the drafts were, or what batch drew them, changes how many tokens a step
+emits, never which. (Rejection sampling keeps the distribution exact, but which tokens come out depends on q
+too, and a draft model's q moves with the rounding of whatever batch it ran in.) The draft model draws a seeded
+request's guesses with the same noise (spec_decode/draft_model.py), so where q is close to p its guess wins
+the same race, and is kept.
 
 `RejectionSampler` does this for an engine step's speculating sequences, each with its own request
 (module docstring of the class).
@@ -113,12 +121,12 @@ class RejectionSampler:
     past the last. Row j is what the `Sampler` would sample output token n_i + j from, n_i being the
     sequence's output so far and drafts 0 .. j - 1 taken as output: the request's blocked tokens (EOS before
     `min_tokens`) and penalties with those drafts counted, then temperature, min-p, top-k and top-p.
-    Greedy sequences keep the longest prefix of drafts that are the argmaxes, and emit the argmax after it;
-    the others go through `rejection_sample`, with Exp(1) noise as the Sampler draws it: a seeded request's
-    from its seed at draws n_i + j (reproducible, whatever else runs), the others' from this sampler's
-    generator. Each position's keep-or-reject uniform comes from that position's noise at the drafted token,
-    u = 1 - exp(-E): a rejected draft has no residual mass (p < q there), so the replacement's race never
-    reads it, and the two stay independent.
+    Greedy sequences keep the longest prefix of drafts that are the argmaxes, and emit the argmax after it.
+    Seeded ones do the same with the token their sampler draws at each row (the exponential race with noise from
+    their seed at draw n_i + j: module docstring). The others go through `rejection_sample`, with Exp(1) noise
+    from this sampler's generator; each position's keep-or-reject uniform comes from that position's noise at
+    the drafted token, u = 1 - exp(-E): a rejected draft has no residual mass (p < q there), so the
+    replacement's race never reads it, and the two stay independent.
     """
 
     def __init__(self, sampler: Sampler) -> None:
@@ -165,28 +173,47 @@ class RejectionSampler:
                 while kept < len(drafts[i]) and drafts[i][kept] == argmaxes[kept]:
                     kept += 1
                 accepted[i], next_tokens[i] = list(drafts[i][:kept]), argmaxes[kept]
-        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        seeded = [i for i, p in enumerate(params) if not p.is_greedy and generators[i] is not None]
+        if seeded:
+            self._verify_seeded(logits, seeded, starts, num_rows, drafts, params, generators, output_token_ids,
+                                accepted, next_tokens)
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy and generators[i] is None]
         if sampled:
-            self._verify_sampled(logits, sampled, starts, num_rows, drafts, draft_probs, params, generators,
-                                 output_token_ids, accepted, next_tokens)
+            self._verify_sampled(logits, sampled, starts, num_rows, drafts, draft_probs, params, output_token_ids,
+                                 accepted, next_tokens)
         return VerifiedDrafts(accepted, next_tokens)
 
-    def _verify_sampled(self, logits, sampled, starts, num_rows, drafts, draft_probs, params, generators,
-                        output_token_ids, accepted, next_tokens) -> None:
+    def _verify_seeded(self, logits, seeded, starts, num_rows, drafts, params, generators, output_token_ids,
+                       accepted, next_tokens) -> None:
+        """Each seeded sequence's own draws at its rows (its seed's noise at draws n_i + j); the drafts kept are
+        the longest prefix equal to them, then the draw after."""
+        device, vocab = logits.device, logits.shape[1]
+        rows = [starts[i] + j for i in seeded for j in range(num_rows[i])]
+        probs = sampling_probs(logits[torch.tensor(rows, device=device)],
+                               [params[i] for i in seeded for _ in range(num_rows[i])])  # (rows, V)
+        seeds, draws = zip(*[(generators[i].seed, len(output_token_ids[i]) + j)
+                             for i in seeded for j in range(num_rows[i])])
+        noise = exponential_noise(torch.tensor(seeds, dtype=torch.int64, device=device),
+                                  torch.tensor(draws, dtype=torch.int64, device=device), vocab)
+        drawn = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1).tolist()  # one sync
+        offset = 0
+        for i in seeded:
+            own = drawn[offset : offset + num_rows[i]]
+            kept = 0
+            while kept < len(drafts[i]) and drafts[i][kept] == own[kept]:
+                kept += 1
+            accepted[i], next_tokens[i] = list(drafts[i][:kept]), own[kept]
+            offset += num_rows[i]
+
+    def _verify_sampled(self, logits, sampled, starts, num_rows, drafts, draft_probs, params, output_token_ids,
+                        accepted, next_tokens) -> None:
+        """Unseeded sequences: `rejection_sample`, with noise from this sampler's generator."""
         device, vocab = logits.device, logits.shape[1]
         k = max(num_rows[i] for i in sampled) - 1
         rows = [starts[i] + j for i in sampled for j in range(num_rows[i])]
         probs = sampling_probs(logits[torch.tensor(rows, device=device)],
                                [params[i] for i in sampled for _ in range(num_rows[i])])  # (rows, V)
-        noise = torch.empty_like(probs)
-        seeded = [(r, generators[i].seed, len(output_token_ids[i]) + j)  # draw n_i + j of the request's seed
-                  for r, (i, j) in enumerate((i, j) for i in sampled for j in range(num_rows[i]))
-                  if generators[i] is not None]
-        if len(seeded) < len(rows):
-            noise.exponential_(generator=self.generator)
-        if seeded:
-            index, seeds, draws = (torch.tensor(column, dtype=torch.int64, device=device) for column in zip(*seeded))
-            noise[index] = exponential_noise(seeds, draws, vocab)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
         # Padded to k drafts per sequence: (B, k + 1, V) targets and noise, (B, k) drafts.
         batch = len(sampled)
         target = probs.new_zeros(batch, k + 1, vocab)

@@ -16,8 +16,10 @@ a sequence new to the draft) runs as ragged batches over all the sequences, and 
 one token per sequence draw the other guesses, each from its own logits: greedy requests take the argmax (a
 sure guess), sampled ones draw from the draft's distribution after the request's temperature, min-p,
 top-k and top-p, which the rejection sampler needs (`Sequence.draft_probs`). A seeded request draws its
-guesses from noise of its own seed (a stream apart from its verification's), so its output does not depend
-on what runs beside it. Any draft distribution keeps the output exact; a closer one keeps more guesses.
+guesses with the very noise its verification draws with (its seed, at the same draws): it keeps a guess exactly
+when the guess is the target's own draw (sampling/rejection.py), so its output is the target's whatever the
+draft computed, or beside what, and where the draft's distribution is close to the target's its guess wins the
+same race. Any draft distribution keeps the output exact; a closer one keeps more guesses.
 
 When the pool has no room for a sequence, that sequence gets no guesses this step (it decodes one token, as
 without speculation); a sequence that leaves (finished or preempted) gives its blocks back (`keep_only`).
@@ -44,15 +46,6 @@ from ..sampling.seeded import exponential_noise
 
 if TYPE_CHECKING:
     from ..engine.sequence import Sequence
-
-# A seeded request's guesses come from seed ^ this: a noise stream apart from the one that verifies them.
-DRAFT_SEED_SALT = 0x2545F4914F6CDD1D
-
-
-def draft_seed(seed: int) -> int:
-    """The seed a seeded request's guesses are drawn with (in the 64-bit range, as `seed` is)."""
-    return seed ^ DRAFT_SEED_SALT
-
 
 @dataclass
 class _Plan:
@@ -199,7 +192,8 @@ class DraftModelProposer:
               probs: dict[Sequence, list[torch.Tensor]]) -> list[int]:
         """Guess `guess` (0-based) of each sequence from its row of logits (B, vocab): the argmax for a greedy
         request; for a sampled one a draw from its distribution (kept in `probs`), by an exponential race
-        with noise from its own seed at its output position (seeded) or from this proposer's generator."""
+        with noise from its own seed at its output position, the noise its verification draws with (seeded), or
+        from this proposer's generator."""
         tokens = logits.argmax(dim=-1).tolist()  # the first of equal maxima, as the Sampler's greedy rows
         sampled = [b for b, plan in enumerate(plans) if not plan.seq.params.is_greedy]
         if not sampled:
@@ -209,7 +203,7 @@ class DraftModelProposer:
         noise = torch.empty_like(p).exponential_(generator=self.generator)
         seeded = [j for j, b in enumerate(sampled) if plans[b].seq.params.seed is not None]
         if seeded:
-            seeds = torch.tensor([draft_seed(plans[sampled[j]].seq.params.seed) for j in seeded], dtype=torch.int64)
+            seeds = torch.tensor([plans[sampled[j]].seq.params.seed for j in seeded], dtype=torch.int64)
             draws = torch.tensor([plans[sampled[j]].seq.num_output_tokens + guess for j in seeded], dtype=torch.int64)
             noise[torch.tensor(seeded, device=p.device)] = exponential_noise(seeds.to(p.device), draws.to(p.device),
                                                                              p.shape[1])
