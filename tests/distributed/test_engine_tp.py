@@ -422,3 +422,23 @@ def test_int4_shards_by_its_groups_and_int8_per_channel_is_refused() -> None:
     assert _compare(*results) < 1e-4
     with pytest.raises(ValueError, match="one scale per output channel does not shard"):
         LLM(dtype="float32", quantization="int8", kv_cache_memory=64 << 20, tensor_parallel_size=3)
+
+
+def _listening(pids: list[int]) -> list[str]:
+    """The local addresses the processes `pids` listen on (TCP)."""
+    try:
+        out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        pytest.skip("ss is not installed")
+    return [line.split()[3] for line in out.splitlines() if any(f"pid={pid}," in line for pid in pids)]
+
+
+def test_the_ranks_listen_on_loopback_only(tiny_checkpoints) -> None:
+    """The rendezvous store and gloo's sockets of an engine's ranks: on 127.0.0.1, where nothing from another
+    machine reaches them (before: the store listened on every interface, gloo on the host name's address)."""
+    model, _ = _tiny(tiny_checkpoints["llama3"])
+    with LLM.from_model(model, None, tensor_parallel_size=2, num_kv_blocks=32, compile_model=False) as llm:
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2), use_tqdm=False)
+        pids = [os.getpid()] + [p.pid for p in llm.llm_engine.workers.processes]
+        addresses = _listening(pids)
+    assert addresses and all(address.startswith("127.0.0.1:") for address in addresses), addresses

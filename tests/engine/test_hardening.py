@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from llm_runtime import EngineConfig, LLMEngine, Sampler, SamplingParams, generate
+from llm_runtime import EngineConfig, InvalidRequestError, LLMEngine, Sampler, SamplingParams, generate
 from llm_runtime.engine import block_manager as block_manager_module
 from llm_runtime.engine import prefix_cache as prefix_cache_module
 
@@ -335,3 +335,16 @@ def test_a_cuda_error_that_leaves_the_context_usable_is_retried_per_request(tiny
     finals = drain(engine)
     assert [finals[str(i)].outputs[0].finish_reason for i in range(3)] == ["length", "error", "length"]
     assert engine.dead_reason is None and engine.stats().num_failed_requests == 1
+
+
+def test_a_chat_longer_than_any_context_is_refused_before_it_is_rendered(tiny_chat_model) -> None:
+    """Each message may be short while the chat is not: the whole chat's characters count (before, each message
+    was checked alone, so 1,000 messages of the limit each went to the template and the tokenizer)."""
+    model, tokenizer = tiny_chat_model
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=64))
+    processor = engine.input_processor
+    each = processor.max_model_len * processor.max_token_chars // 3 + 1  # under the limit alone, over it as 3
+    with pytest.raises(InvalidRequestError, match="messages of .* characters is longer") as refused:
+        processor.process_chat("a", [{"role": "user", "content": "x" * each}] * 3)
+    assert refused.value.param == "messages" and not engine.has_unfinished_requests()
+    engine.shutdown()

@@ -230,3 +230,29 @@ def test_the_tables_of_refused_and_unwanted_transfers_are_bounded(monkeypatch) -
     for i in range(100):  # a flood of refused payloads under fresh transfer ids
         agent_module._remember(table, f"t{i}")
     assert list(table) == [f"t{i}" for i in range(92, 100)]
+
+
+def test_payloads_of_no_block_are_refused(tiny_chat_model, producer) -> None:
+    """A payload of 0 tokens passes the wire's checks; taken, each would add an entry no request ever claims, under
+    transfer ids of the sender's choosing, and weigh nothing against the pool's share: refused."""
+    good = _exported(producer, PROMPT, "good")
+    empty = KVPayload("empty", good.layout, [], good.keys[:, :0], good.values[:, :0])
+    engine, agent, async_engine = _consumer(tiny_chat_model)
+    sender = KVSender()
+
+    async def scenario():
+        await async_engine.start()
+        for i in range(20):
+            sender.send(KVPayload(f"empty-{i}", empty.layout, [], empty.keys, empty.values), *agent.address)
+        sender.send(good, *agent.address)
+        await _until(lambda: agent.ready("good"))
+        await async_engine.stop()
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 60))
+        assert agent.snapshot().refused_transfers == 20 and list(engine.block_manager.imports) == [
+            ("kv-import", "good")]
+    finally:
+        sender.close()
+        agent.close()
+        engine.shutdown()

@@ -198,46 +198,87 @@ def test_a_full_inbox_pushes_back_on_the_sender(monkeypatch) -> None:
         receiver.close()
 
 
-def test_with_a_secret_only_signed_fresh_trusted_messages_get_in(monkeypatch) -> None:
+def test_with_a_secret_only_its_holders_connect_and_only_signed_fresh_unseen_messages_get_in(monkeypatch) -> None:
+    """With a secret the receiver takes CURVE connections from peers that know it: a sender without it, or with
+    another, never completes the handshake (its sends time out; the receiver buffers nothing of theirs, not even
+    a message of 10,000 frames). A holder's message still needs its MAC, fresh (not an hour old) and unseen (a
+    replay of a taken message is refused), and unaltered."""
     import json
 
-    from llm_runtime.kv_transfer.trust import FrameSigner
+    import zmq
 
+    from llm_runtime.kv_transfer.trust import FrameSigner, curve_keys
+
+    monkeypatch.setattr(zmq_connector, "SEND_TIMEOUT_MS", 300)
     secret = "s3cret-shared-by-the-servers"
     receiver = KVReceiver("127.0.0.1", 0, secret=secret)
     signed, unsigned, wrong = KVSender(secret), KVSender(), KVSender("another-secret-of-16+")
-    socket = _raw_sender(receiver)
+    stranger = _raw_sender(receiver)
+    holder = zmq.Context.instance().socket(zmq.PUSH)  # a raw socket that knows the secret's keys
+    holder.setsockopt(zmq.LINGER, 0)
+    holder.curve_serverkey = curve_keys(secret, "receiver")[0]
+    holder.curve_publickey, holder.curve_secretkey = curve_keys(secret, "sender")
+    holder.connect(f"tcp://{receiver.host}:{receiver.port}")
     try:
-        unsigned.send(_payload("unsigned"), receiver.host, receiver.port)
-        wrong.send(_payload("wrong"), receiver.host, receiver.port)
+        for outsider in (unsigned, wrong):
+            with pytest.raises(RuntimeError, match="took nothing"):
+                outsider.send(_payload("outsider"), receiver.host, receiver.port)
+        stranger.send_multipart([b"x"] * 10_000)
         frames = [bytes(f) for f in _payload("old").to_frames()]
         header = json.loads(frames[0])
-        frames[0] = json.dumps({**header, "sent_at": header["sent_at"] - 3600}).encode()  # a replay an hour later
-        socket.send_multipart(frames + [FrameSigner(secret).mac(frames)])
+        frames[0] = json.dumps({**header, "sent_at": header["sent_at"] - 3600}).encode()  # an hour old
+        holder.send_multipart(frames + [FrameSigner(secret).mac(frames)])
         altered = [bytes(f) for f in _payload("altered").to_frames()]
         mac = FrameSigner(secret).mac(altered)
         altered[1] = b"\x7f" + altered[1][1:]
-        socket.send_multipart(altered + [mac])
-        signed.send(_payload("signed"), receiver.host, receiver.port)
+        holder.send_multipart(altered + [mac])
+        holder.send_multipart([bytes(f) for f in _payload("no mac").to_frames()])
+        good = [bytes(f) for f in _payload("signed").to_frames()]
+        good.append(FrameSigner(secret).mac(good))
+        holder.send_multipart(good)
         assert [r.payload.transfer_id for r in _arrivals(receiver)] == ["signed"]
-        assert receiver.num_refused == 4
+        holder.send_multipart(good)  # the same message again
+        signed.send(_payload("after"), receiver.host, receiver.port)
+        assert [r.payload.transfer_id for r in _arrivals(receiver)] == ["after"]
+        assert receiver.num_refused == 4 and "replay" in receiver.last_refusal
     finally:
-        socket.close()
+        stranger.close()
+        holder.close()
         for sender in (signed, unsigned, wrong):
             sender.close()
         receiver.close()
+
+
+def test_a_receiver_for_trusted_producers_refuses_others_at_the_handshake(monkeypatch) -> None:
+    monkeypatch.setattr(zmq_connector, "SEND_TIMEOUT_MS", 300)
     untrusting = KVReceiver("127.0.0.1", 0, trusted_peers={"10.1.2.3"})
+    trusting = KVReceiver("127.0.0.1", 0, trusted_peers={"127.0.0.1"})
     sender = KVSender()
     try:
-        sender.send(_payload(), untrusting.host, untrusting.port)
-        deadline = time.monotonic() + 10
-        while not untrusting.num_refused and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert untrusting.num_refused == 1 and not untrusting.take()
-        assert "not a trusted producer" in untrusting.last_refusal
+        with pytest.raises(RuntimeError, match="took nothing"):
+            sender.send(_payload(), untrusting.host, untrusting.port)
+        assert not untrusting.take() and untrusting.num_refused == 0  # nothing of it ever reached the thread
+        sender.send(_payload("trusted"), trusting.host, trusting.port)
+        assert [r.payload.transfer_id for r in _arrivals(trusting)] == ["trusted"]
     finally:
         sender.close()
         untrusting.close()
+        trusting.close()
+
+
+def test_the_inbox_holds_a_bounded_number_of_payloads(monkeypatch) -> None:
+    monkeypatch.setattr(zmq_connector, "MAX_INBOX_MESSAGES", 5)
+    monkeypatch.setattr(zmq_connector, "SEND_TIMEOUT_MS", 300)
+    receiver, sender = KVReceiver("127.0.0.1", 0), KVSender()
+    try:
+        for i in range(200):  # small payloads: the byte bound alone would take them all
+            if sender.submit(_payload(f"p{i}"), receiver.host, receiver.port).exception(timeout=30) is not None:
+                break
+        time.sleep(0.3)
+        assert receiver.num_waiting == 5
+    finally:
+        sender.close()
+        receiver.close()
 
 
 def test_a_dead_receiver_holds_up_only_its_own_lane_and_lanes_are_bounded(monkeypatch) -> None:

@@ -174,3 +174,22 @@ def test_bodies_are_bounded_and_the_api_key_is_asked_for_and_passed_on() -> None
         assert replica.headers[-1]["authorization"] == "Bearer backend-key"
         big = httpx.post(f"{router}/v1/completions", json={"prompt": "p" * 2000}, headers=headers)
         assert big.status_code == 413
+
+
+def test_a_requests_legs_are_bounded_and_its_fields_checked_before_any_leg() -> None:
+    prefill, decode = Stub(), Stub()
+    with running(prefill.app) as p, running(decode.app) as d, running(create_router(prefill=[p], decode=[d])) as router:
+        many = _post(router, prompt=[f"p{i}" for i in range(router_module.MAX_PROMPTS + 1)])
+        assert many.status_code == 400 and "at most 16 prompts" in many.json()["error"]["message"]
+        assert _post(router, stream=True, stream_options="yes").status_code == 400  # (was a 500)
+    assert not prefill.bodies  # nothing was prefilled, so no KV was shipped for a refused request
+
+
+def test_a_decode_address_only_its_own_machine_reaches_is_not_used() -> None:
+    from llm_runtime.serving.router import Backend, Router
+
+    remote, local = Backend("http://10.0.0.3:8200", "decode"), Backend("http://127.0.0.1:8200", "decode")
+    assert Router._kv_address(remote, {"kv_ip": "0.0.0.0", "kv_port": 5}) == ("10.0.0.3", 5)
+    assert Router._kv_address(remote, {"kv_ip": "127.0.0.1", "kv_port": 5}) is None  # producers elsewhere: unreachable
+    assert Router._kv_address(local, {"kv_ip": "127.0.0.1", "kv_port": 5}) == ("127.0.0.1", 5)
+    assert Router._kv_address(remote, {"kv_ip": "10.0.0.3", "kv_port": True}) is None

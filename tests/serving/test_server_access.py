@@ -83,3 +83,20 @@ def test_a_failure_building_the_feed_ends_the_views_not_the_loop(engine, monkeyp
         assert _complete(base).status_code == 200 and httpx.get(f"{base}/health").status_code == 200
         assert feed.num_failures >= 1 and not feed.subscribers
         wait_idle(engine)
+
+
+def test_a_key_in_the_query_in_any_bytes_is_refused_not_a_500(engine) -> None:
+    with running(create_app(engine, "tiny", api_key=KEY)) as base:
+        for query in ("api_key=%E2%82%AC", "api_key=%FF%FE", "api_key=", "api_key=a&api_key=" + KEY):
+            assert _first_event(f"{base}/v1/engine/events?{query}") == 401, query
+
+
+def test_the_access_log_shows_no_key() -> None:
+    import logging
+
+    from llm_runtime.serving.middleware import RedactApiKey
+
+    record = logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+                               ("127.0.0.1:5", "GET", f"/v1/engine/events?api_key={KEY}&x=1", "1.1", 200), None)
+    RedactApiKey().filter(record)
+    assert KEY not in record.getMessage() and "api_key=...&x=1" in record.getMessage()

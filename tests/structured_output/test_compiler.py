@@ -157,3 +157,17 @@ def test_a_constraint_that_does_not_compile_is_refused_again_without_compiling(b
             compiler.compile(Params(regex="(unclosed"))
         assert refused.value.param == "structured_outputs.regex"
     assert runs == ["(unclosed"] and compiler.num_compiled == 0
+
+
+def test_a_constraint_queued_behind_slow_ones_gets_its_own_time(bundled_tokenizer, monkeypatch) -> None:
+    """Two slow constraints (another client's) hold both workers past their deadline; a third, queued behind them,
+    is not refused for their slowness: its clock starts when a worker takes it, and it compiles."""
+    compiler = GrammarCompiler(bundled_tokenizer, 49152, (2,), timeout_s=0.3)
+    release, runs = _gated(compiler, monkeypatch, {"slow+", "slower+"})
+    slow = [compiler.submit(Params(regex=regex)) for regex in ("slow+", "slower+")]
+    queued = compiler.submit(Params(regex="queued+"))
+    for pending in slow:
+        with pytest.raises(InvalidRequestError, match="did not compile within"):
+            pending.result()
+    threading.Timer(0.5, release.set).start()  # the slow ones end later still: the queued one waits, then runs
+    assert queued.result() is not None and compiler.num_abandoned == 2 and runs[-1] == "queued+"

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
 import itertools
 import os
+import socket
 import time
 import weakref
 from collections.abc import Iterator
@@ -252,12 +254,30 @@ def init_tensor_parallel(rank: int | None = None, size: int | None = None, devic
         if connect is not None:  # build the communicator now, while every rank is at the rendezvous
             connect(device)
     else:
-        group = dist.ProcessGroupGloo(compute_store, rank, size, timeout)
+        group = _gloo(compute_store, rank, size, timeout, host)
     # The control group waits between steps: the other ranks as long as rank 0 takes (a year), rank 0 no longer than
     # a step's collective. (The timeout is each rank's own: a send still waiting on a rank that hung would hold up
     # tearing the group down for as long as it may wait.)
-    control = dist.ProcessGroupGloo(control_store, rank, size, timeout if rank == 0 else datetime.timedelta(days=365))
+    control = _gloo(control_store, rank, size, timeout if rank == 0 else datetime.timedelta(days=365), host)
     return TensorParallelGroup(rank, size, group, control=control, timeout=timeout)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _gloo(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, host: str) -> dist.ProcessGroup:
+    """A gloo group; with every rank on this host (a loopback rendezvous), its sockets bound to loopback too (gloo's
+    default device listens on the address the host's name resolves to, which other machines reach)."""
+    if not _is_loopback(host):
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    options._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, size, options)
 
 
 def _all_joined(store: dist.Store, size: int, timeout_s: float) -> None:
@@ -272,11 +292,21 @@ def _all_joined(store: dist.Store, size: int, timeout_s: float) -> None:
 
 
 def open_store(size: int, host: str = "127.0.0.1") -> dist.TCPStore:
-    """A rendezvous store for `size` ranks, listening on a port the kernel picks (`.port`), in this process: ranks
-    then join it as clients (`external_store=True`). Picking a free port first and binding it later would race
-    with anything else that binds meanwhile."""
-    return dist.TCPStore(host, 0, world_size=size, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=120))
+    """A rendezvous store for `size` ranks, listening on `host` only, on a port the kernel picks (`.port`), in this
+    process: ranks then join it as clients (`external_store=True`). Picking a free port first and binding it later
+    would race with anything else that binds meanwhile; and a store given only a host name listens on every
+    interface, so the socket is bound here and handed over (the store owns it, and closes it)."""
+    listening = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listening.bind((host, 0))
+        listening.listen(size * 4)
+        port = listening.getsockname()[1]
+    except BaseException:
+        listening.close()
+        raise
+    return dist.TCPStore(host, port, world_size=size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=120), master_listen_fd=listening.detach(),
+                         use_libuv=False)
 
 
 _HANDLES = itertools.count(1)

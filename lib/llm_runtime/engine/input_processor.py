@@ -149,7 +149,7 @@ class InputProcessor:
             raise InvalidRequestError("messages", "chat needs a tokenizer; this engine has none")
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages", "messages must be a non-empty list of {role, content} objects")
-        rendered = []
+        rendered, total = [], 0
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise InvalidRequestError("messages", f"messages[{i}] must be an object with a string role")
@@ -163,8 +163,11 @@ class InputProcessor:
             if not isinstance(content, str):
                 raise InvalidRequestError("messages", f"messages[{i}].content must be a string or a list of "
                                                       f"text parts")
+            total += len(content)
             self._check_text_length(content, "messages")
             rendered.append({**message, "content": content})
+        if len(messages) > 1:
+            self._check_text_length_of(total, "messages")  # the whole chat, not only each message
         try:
             return encode_chat(self.tokenizer, rendered)
         except Exception as error:  # the template's own refusals (jinja's TemplateError, raise_exception)
@@ -223,8 +226,11 @@ class InputProcessor:
         return params
 
     def _check_text_length(self, text: str, param: str) -> None:
-        if len(text) > self.max_model_len * self.max_token_chars:
-            raise InvalidRequestError(param, f"{param} of {len(text)} characters is longer than any text of "
+        self._check_text_length_of(len(text), param)
+
+    def _check_text_length_of(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_model_len * self.max_token_chars:
+            raise InvalidRequestError(param, f"{param} of {num_chars} characters is longer than any text of "
                                              f"{self.max_model_len} tokens (the context) can be")
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, object]:

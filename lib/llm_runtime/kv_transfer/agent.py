@@ -169,6 +169,7 @@ class KVTransferAgent:
         self._stats_lock = threading.Lock()
         self._outgoing: dict[str, TransferParams] = {}  # request id -> where its prompt's blocks go
         self._arrived: dict[str, _Arrival] = {}  # transfer id -> its blocks, in the pool and unclaimed
+        self._unclaimed_blocks = 0  # the blocks of `_arrived`, summed
         self._failed: OrderedDict[str, float] = OrderedDict()  # transfer id -> when its blocks were refused
         self._unwanted: OrderedDict[str, float] = OrderedDict()  # transfer ids whose request was refused
         self._claims: dict[str, str] = {}  # request id -> the transfer id whose blocks it holds
@@ -221,16 +222,21 @@ class KVTransferAgent:
                            request_id, params.transfer_id)
             return
         del self._arrived[params.transfer_id]
+        self._unclaimed_blocks -= arrival.num_blocks
         self._claims[request_id] = params.transfer_id
 
     def discard(self, transfer_id: str) -> None:
         """The request that would claim `transfer_id` was refused (busy): its blocks go now, or as they arrive."""
         if transfer_id in self._arrived:
-            del self._arrived[transfer_id]
-            self.engine.release_import(transfer_id)
-            self._count(expired_transfers=1)
+            self._let_go(transfer_id)
         else:
             _remember(self._unwanted, transfer_id)
+
+    def _let_go(self, transfer_id: str) -> None:
+        """Unclaimed blocks go back to the cache (evictable), counted as expired."""
+        self._unclaimed_blocks -= self._arrived.pop(transfer_id).num_blocks
+        self.engine.release_import(transfer_id)
+        self._count(expired_transfers=1)
 
     def seconds_to_next_expiry(self) -> float | None:
         """How long until unclaimed blocks or refusals are due to be let go (None: nothing waits to expire)."""
@@ -253,9 +259,7 @@ class KVTransferAgent:
                 self._take(received, admit)
         deadline = time.monotonic() - self.config.kv_transfer_timeout_s
         for transfer_id in [t for t, arrival in self._arrived.items() if arrival.at < deadline]:
-            del self._arrived[transfer_id]
-            self.engine.release_import(transfer_id)
-            self._count(expired_transfers=1)
+            self._let_go(transfer_id)
         for table in (self._failed, self._unwanted):
             while table and next(iter(table.values())) < deadline:
                 table.popitem(last=False)
@@ -267,11 +271,13 @@ class KVTransferAgent:
         refusal = None
         if not admit:
             refusal = "the server is overloaded"
+        elif payload.num_blocks == 0:
+            refusal = "it holds no block"
         elif transfer_id in self._unwanted:
             refusal = "its request was refused already"
         elif transfer_id in self._arrived or transfer_id in self._claims.values():
             refusal = "blocks of this transfer arrived already"
-        elif sum(a.num_blocks for a in self._arrived.values()) + payload.num_blocks > \
+        elif self._unclaimed_blocks + payload.num_blocks > \
                 MAX_UNCLAIMED_SHARE * self.engine.block_manager.num_total_blocks:
             refusal = "unclaimed blocks hold their share of the pool already"
         if refusal is None:
@@ -287,6 +293,7 @@ class KVTransferAgent:
                     self.stats.import_seconds.observe(time.perf_counter() - started)
                 self._count(received_transfers=1, received_tokens=payload.num_tokens)
                 self._arrived[transfer_id] = _Arrival(time.monotonic(), payload.token_ids, payload.num_blocks)
+                self._unclaimed_blocks += payload.num_blocks
                 return
         logger.warning("refused KV transfer %r: %s", transfer_id, refusal)
         self._count(refused_transfers=1)

@@ -9,9 +9,11 @@ a client says. So nothing from a socket is taken on its word:
 - On one machine (every address loopback, the default) nothing needs configuring: a receiver bound to 127.0.0.1
   hears only this host's processes, and a producer ships only to loopback addresses.
 - Beyond loopback, producers, consumers and the router share a secret (`kv_secret`, or the environment variable
-  LLM_RUNTIME_KV_SECRET that the command line reads). Every KV message then carries an HMAC-SHA256 over all its
-  frames and the time it was sent (`FrameSigner`); a receiver refuses a message without a valid, fresh one before
-  it parses a byte of it, and a receiver bound beyond loopback without a secret refuses to start.
+  LLM_RUNTIME_KV_SECRET that the command line reads). The receiver's ZeroMQ socket then takes only CURVE
+  connections from peers that know the secret (`curve_keys`: a peer without it never completes the handshake,
+  so it cannot make the receiver buffer a byte), every KV message carries an HMAC-SHA256 over all its frames and
+  the time it was sent (`FrameSigner`), and a receiver refuses a message without a valid, fresh, unseen one
+  before it parses a byte of it. A receiver bound beyond loopback without a secret refuses to start.
 - A request's `kv_transfer_params` name a peer (where to ship) or a transfer (whose blocks to claim). With a
   secret they are honoured only when the router signed them (`sign_params`: an HMAC over the fields and an
   expiry); a producer also ships to the consumers its own configuration names (`kv_consumers`). Without a
@@ -60,6 +62,16 @@ def check_secret(secret: object) -> None:
     """ValueError unless `secret` is None or a string long enough to be one."""
     if secret is not None and (not isinstance(secret, str) or len(secret) < MIN_SECRET_CHARS):
         raise ValueError(f"kv_secret must be a string of at least {MIN_SECRET_CHARS} characters (or left out)")
+
+
+def curve_keys(secret: str, role: str) -> tuple[bytes, bytes]:
+    """(public, secret) CURVE keys (Z85) for `role` ("receiver" or "sender"), derived from the shared secret: a
+    ZeroMQ socket that holds the receiver's public key can only be one whose owner knows the secret, so a peer
+    without it never completes the handshake, and sends nothing at all (zmq_connector.py)."""
+    import zmq
+
+    private = zmq.utils.z85.encode(hashlib.sha256(f"llm_runtime kv {role}\0{secret}".encode()).digest())
+    return zmq.curve_public(private), private
 
 
 class FrameSigner:

@@ -11,14 +11,18 @@ connectors use ZeroMQ the same way, for their control messages, with NCCL for GP
 
 The receiving end faces the network, so it takes nothing on trust and lets nothing stop it:
 
-- ZeroMQ itself drops a peer that sends a frame over `max_frame_bytes` (MAXMSGSIZE: the largest a payload of the
+- with a secret, the socket takes only CURVE connections from peers that know it (trust.curve_keys), and with
+  `trusted_peers` only connections from those addresses (ZeroMQ's ZAP handler): a peer outside them never
+  completes the handshake, so it cannot make the receiver buffer anything (a ZeroMQ message is delivered whole,
+  however many frames it has: only the handshake stops a stranger's);
+- ZeroMQ drops a peer that sends a frame over `max_frame_bytes` (MAXMSGSIZE: the largest a payload of the
   receiver's context can be) before the receiver reads a byte of it, and queues at most a few messages
   (RCVHWM), so a sender that outruns the engine waits instead of filling memory;
-- a message from a peer outside `trusted_peers`, or without a valid, fresh MAC where there is a secret, or whose
-  frames are not a payload (payload.py checks every field) is refused and counted (`num_refused`), and the
-  thread goes on: no message, however malformed, ends it;
-- received payloads wait in a bounded inbox (`max_inbox_bytes`); when it is full the thread stops reading, and
-  ZeroMQ's queue and then the sender's timeout push back.
+- a message without a valid, fresh, unseen MAC where there is a secret, or whose frames are not a payload
+  (payload.py checks every field) is refused and counted (`num_refused`), and the thread goes on: no message,
+  however malformed, and no error of the thread's own, ends it;
+- received payloads wait in a bounded inbox (`max_inbox_bytes`, `max_inbox_messages`); when it is full the
+  thread stops reading, and ZeroMQ's queue and then the sender's timeout push back.
 
 Threads: a receiver's socket is read by its own thread, which puts each accepted payload in the inbox and calls
 `on_message` (the server wakes its loop, which takes the payloads between steps: the block manager is that
@@ -40,7 +44,7 @@ from dataclasses import dataclass
 import zmq
 
 from .payload import KVPayload, read_header
-from .trust import MAC_BYTES, FrameSigner, fresh
+from .trust import MAC_BYTES, FrameSigner, curve_keys, fresh
 
 logger = logging.getLogger(__name__)
 SEND_TIMEOUT_MS = 2_000  # a receiver that takes nothing for this long fails the send (it is gone or stuck)
@@ -50,6 +54,9 @@ DEAD_FOR_S = 10.0  # how long an address whose receiver timed out fails sends at
 MAX_PENDING_BYTES = 1 << 30  # payload bytes waiting for the sender's lanes before more are refused
 MAX_LANES = 16  # receiving addresses a sender keeps a socket and a thread for (the least recently used closed)
 MAX_MESSAGE_AGE_S = 300.0  # a signed message sent longer ago than this is refused (a replay)
+MAX_INBOX_MESSAGES = 64  # payloads waiting for the engine's thread, whatever their size
+MAX_SEEN = 4096  # signed messages remembered (their MACs) to refuse a replay within MAX_MESSAGE_AGE_S
+ZAP_DOMAIN = b"llm_runtime-kv"
 
 
 @dataclass(frozen=True)
@@ -72,8 +79,23 @@ class KVReceiver:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)  # before bind: it applies to every connection
+        # Before bind: these apply to every connection the socket accepts.
+        self.socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         self.socket.setsockopt(zmq.RCVHWM, RECEIVE_HIGH_WATER_MARK)
+        self.authenticator = None
+        if trusted_peers is not None:  # ZeroMQ asks this handler about every connection, before a message comes
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self.authenticator = ThreadAuthenticator(self.context)
+            self.authenticator.start()
+            self.authenticator.allow(*trusted_peers)
+            if secret is not None:
+                self.authenticator.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+            self.socket.zap_domain = ZAP_DOMAIN
+        if secret is not None:
+            public, private = curve_keys(secret, "receiver")
+            self.socket.curve_server = True
+            self.socket.curve_publickey, self.socket.curve_secretkey = public, private
         if port == 0:
             port = self.socket.bind_to_random_port(f"tcp://{host}")
         else:
@@ -86,6 +108,7 @@ class KVReceiver:
         self._inbox: collections.deque[Received] = collections.deque()
         self._inbox_bytes = 0
         self._room = threading.Condition()
+        self._seen: collections.OrderedDict[bytes, float] = collections.OrderedDict()  # MACs taken, and when
         self.num_refused = self.refused_bytes = 0  # messages refused (any reason), written under _room
         self.last_refusal: str | None = None
         self._stopping = threading.Event()
@@ -105,11 +128,14 @@ class KVReceiver:
                     return
                 logger.exception("the KV receiver's socket failed; reading on")
                 continue
-            nbytes = sum(len(frame.buffer) for frame in frames)
+            except Exception:  # noqa: BLE001 - (MemoryError, ...) never the thread's end
+                logger.exception("receiving a KV message failed; reading on")
+                continue
             try:
+                nbytes = sum(len(frame.buffer) for frame in frames)
                 payload = self._accept(frames)
             except Exception as error:  # noqa: BLE001 - whatever a message holds, it refuses that message only
-                self._refuse(nbytes, f"{type(error).__name__}: {error}")
+                self._refuse(sum(len(frame.buffer) for frame in frames), f"{type(error).__name__}: {error}")
                 continue
             self._put(Received(payload, nbytes, time.monotonic()))
 
@@ -125,11 +151,21 @@ class KVReceiver:
                 raise ValueError("a KV message without its MAC (this receiver shares a secret with its producers)")
             if not self.signer.verify(buffers[:3], buffers[3]):
                 raise ValueError("a KV message whose MAC is wrong (another secret, or altered on the way)")
-            buffers = buffers[:3]
+            mac, buffers = bytes(buffers[3]), buffers[:3]
             sent_at = read_header(buffers[0], self.max_tokens or 1).get("sent_at")
             if not fresh(sent_at, MAX_MESSAGE_AGE_S):
                 raise ValueError(f"a KV message sent at {sent_at!r}: too old, or from the future (a replay?)")
+            self._remember(mac)
         return KVPayload.from_frames(buffers, self.max_tokens)
+
+    def _remember(self, mac: bytes) -> None:
+        """ValueError for a signed message taken before (a replay within its freshness); else note it."""
+        now = time.monotonic()
+        while self._seen and (next(iter(self._seen.values())) < now - MAX_MESSAGE_AGE_S or len(self._seen) >= MAX_SEEN):
+            self._seen.popitem(last=False)
+        if mac in self._seen:
+            raise ValueError("a KV message taken before, sent again (a replay)")
+        self._seen[mac] = now
 
     def _refuse(self, nbytes: int, why: str) -> None:
         logger.warning("refused a KV message of %d bytes: %s", nbytes, why)
@@ -141,7 +177,8 @@ class KVReceiver:
     def _put(self, received: Received) -> None:
         """Into the inbox, waiting while it is full (the engine takes what is there between steps)."""
         with self._room:
-            while self._inbox and self._inbox_bytes + received.nbytes > self.max_inbox_bytes:
+            while self._inbox and (self._inbox_bytes + received.nbytes > self.max_inbox_bytes
+                                   or len(self._inbox) >= MAX_INBOX_MESSAGES):
                 if self._stopping.is_set():
                     return
                 self._room.wait(timeout=0.1)
@@ -171,18 +208,25 @@ class KVReceiver:
         with self._room:
             self._room.notify_all()
         self._thread.join(timeout=5)
+        if self._thread.is_alive():  # (stuck past its polls: leave its socket to it rather than close it under it)
+            logger.error("the KV receiver's thread did not stop; its socket is left open")
+            return
         self.socket.close()
+        if self.authenticator is not None:
+            self.authenticator.stop()
         self.context.term()
 
 
 class _Lane:
     """One receiving address's socket, used only by the lane's own thread."""
 
-    def __init__(self, context: zmq.Context, address: str) -> None:
+    def __init__(self, context: zmq.Context, address: str, keys: tuple[bytes, bytes, bytes] | None) -> None:
         self.address = address
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-sender")
         self.socket: zmq.Socket | None = None
         self.context = context
+        self.keys = keys  # CURVE: the receiver's public key, and this sender's pair (trust.curve_keys)
+        self.pending = 0  # payloads handed to this lane and not yet sent or failed (the sender's lock guards it)
         self.dead_until = 0.0  # until when sends to this address fail at once (the lane's thread writes it)
 
     def send(self, frames: list, timeout_ms: int) -> int:
@@ -195,6 +239,8 @@ class _Lane:
             self.socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
             self.socket.setsockopt(zmq.SNDHWM, SEND_HIGH_WATER_MARK)
             self.socket.setsockopt(zmq.IMMEDIATE, 1)  # queue only for a receiver that is connected, not a dead one
+            if self.keys is not None:
+                self.socket.curve_serverkey, self.socket.curve_publickey, self.socket.curve_secretkey = self.keys
             self.socket.connect(self.address)
         try:
             self.socket.send_multipart(frames, copy=False)
@@ -207,9 +253,10 @@ class _Lane:
         self.dead_until = 0.0
         return sum(memoryview(frame).nbytes for frame in frames)
 
-    def close(self) -> None:
-        """Stop the lane's thread (what it was sending finishes or times out first), then close its socket."""
-        self.executor.shutdown(wait=True, cancel_futures=True)
+    def close(self, cancel: bool = True) -> None:
+        """Stop the lane's thread (what it was sending finishes or times out first, and with `cancel` what waits is
+        dropped), then close its socket."""
+        self.executor.shutdown(wait=True, cancel_futures=cancel)
         if self.socket is not None:
             self.socket.close()
             self.socket = None
@@ -222,13 +269,15 @@ class KVSender:
     waits for its own message. "Sent" means handed to ZeroMQ, which delivers it in the background (at most
     SEND_HIGH_WATER_MARK messages wait per receiver). A receiver that takes nothing for SEND_TIMEOUT_MS fails the
     send, its socket is closed, and its address then fails at once for DEAD_FOR_S, so one dead consumer holds up
-    its own lane for one timeout, not one per payload, and nobody else's. Payloads waiting in the lanes hold at
-    most MAX_PENDING_BYTES (beyond, a payload is refused at once). With a `secret`, every message carries its MAC
-    (trust.py)."""
+    its own lane for one timeout, not one per payload, and nobody else's. Past MAX_LANES addresses, the least
+    recently used idle lane is retired (one with payloads still to send never is: a new address is refused
+    instead). Payloads waiting in the lanes hold at most MAX_PENDING_BYTES (beyond, a payload is refused at
+    once). With a `secret`, every connection is CURVE's and every message carries its MAC (trust.py)."""
 
     def __init__(self, secret: str | None = None) -> None:
         self.context = zmq.Context()
         self.signer = FrameSigner(secret) if secret is not None else None
+        self.keys = None if secret is None else (curve_keys(secret, "receiver")[0], *curve_keys(secret, "sender"))
         self._lanes: collections.OrderedDict[str, _Lane] = collections.OrderedDict()
         self._pending_bytes = 0
         self._lock = threading.Lock()
@@ -246,21 +295,30 @@ class KVSender:
         address = f"tcp://{host}:{port}"
         retired: _Lane | None = None
         with self._lock:
-            if self._closed or (self._pending_bytes and self._pending_bytes + size > MAX_PENDING_BYTES):
-                refused: Future[int] = Future()
-                refused.set_exception(RuntimeError("the sender is closed" if self._closed else
-                                                   f"{self._pending_bytes:,} bytes of KV already wait to be sent"))
-                return refused
+            refusal = ("the sender is closed" if self._closed else
+                       f"{self._pending_bytes:,} bytes of KV already wait to be sent"
+                       if self._pending_bytes and self._pending_bytes + size > MAX_PENDING_BYTES else None)
             lane = self._lanes.get(address)
-            if lane is None:
-                lane = self._lanes[address] = _Lane(self.context, address)
-                if len(self._lanes) > MAX_LANES:
-                    _, retired = self._lanes.popitem(last=False)
+            if refusal is None and lane is None:
+                if len(self._lanes) >= MAX_LANES:
+                    idle = next((a for a, existing in self._lanes.items() if existing.pending == 0), None)
+                    if idle is None:
+                        refusal = f"{MAX_LANES} receivers' lanes are busy sending"
+                    else:
+                        retired = self._lanes.pop(idle)
+                if refusal is None:
+                    lane = self._lanes[address] = _Lane(self.context, address, self.keys)
+            if refusal is not None:
+                refused: Future[int] = Future()
+                refused.set_exception(RuntimeError(refusal))
+                return refused
+            assert lane is not None
             self._lanes.move_to_end(address)
             self._pending_bytes += size
+            lane.pending += 1
             future = lane.executor.submit(self._send, lane, payload)
-        future.add_done_callback(lambda _: self._done(size))
-        if retired is not None:  # its thread finishes what it holds, then its socket closes (not on this thread)
+        future.add_done_callback(lambda _: self._done(lane, size))
+        if retired is not None:  # idle: its thread ends and its socket closes (not on this thread)
             threading.Thread(target=retired.close, name="kv-sender-retire", daemon=True).start()
         return future
 
@@ -268,9 +326,10 @@ class KVSender:
         """`submit`, then wait: the bytes handed to ZeroMQ (RuntimeError as `submit` says)."""
         return self.submit(payload, host, port).result()
 
-    def _done(self, size: int) -> None:
+    def _done(self, lane: _Lane, size: int) -> None:
         with self._lock:
             self._pending_bytes -= size
+            lane.pending -= 1
 
     def _send(self, lane: _Lane, payload: KVPayload) -> int:
         frames = payload.to_frames()

@@ -5,12 +5,14 @@ unread; an undeclared one is read only up to the limit). `ApiKeyCheck` is vLLM's
 `/v1` (and any other path named) wants `Authorization: Bearer <key>`, compared in constant time, and answers 401
 without it; `/health`, `/metrics` and the dashboard's page stay open, as vLLM leaves its own. A browser's
 EventSource sends no headers, so the live feed (`GET /v1/engine/events`) also takes the key as `?api_key=`, which
-the dashboard passes on from its own address.
+the dashboard passes on from its own address; `RedactApiKey` keeps it out of the access log.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
+import re
 from collections.abc import Collection
 from urllib.parse import parse_qs
 
@@ -65,8 +67,8 @@ class ApiKeyCheck:
         if not isinstance(api_key, str) or not api_key:
             raise ValueError("api_key must be a non-empty string")
         self.app, self.paths, self.query_paths = app, frozenset(paths), frozenset(query_paths)
-        self._expected = f"Bearer {api_key}".encode()
-        self._key = api_key.encode()
+        self._expected = f"Bearer {api_key}".encode("utf-8")
+        self._key = api_key.encode("utf-8")
 
     def _protected(self, path: str) -> bool:
         return path == "/v1" or path.startswith("/v1/") or path in self.paths
@@ -75,9 +77,9 @@ class ApiKeyCheck:
         given = dict(scope.get("headers") or []).get(b"authorization", b"")
         if hmac.compare_digest(given, self._expected):
             return True
-        if scope["path"] in self.query_paths:
-            keys = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key", [])
-            return any(hmac.compare_digest(key.encode("latin-1"), self._key) for key in keys[:1])
+        if scope["path"] in self.query_paths:  # (percent-escapes of any bytes: decoded as UTF-8, the key's own)
+            keys = parse_qs(scope.get("query_string", b"").decode("latin-1"), errors="replace").get("api_key", [])
+            return any(hmac.compare_digest(key.encode("utf-8", errors="replace"), self._key) for key in keys[:1])
         return False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -87,3 +89,14 @@ class ApiKeyCheck:
         refused = APIError(401, "this server wants an API key: send `Authorization: Bearer <key>`",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         await refused.response()(scope, receive, send)
+
+
+class RedactApiKey(logging.Filter):
+    """A logging filter for uvicorn's access log: an `api_key=` in a logged address shows as `api_key=...`."""
+
+    _KEY = re.compile(r"(api_key=)[^&\s\"]*")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(self._KEY.sub(r"\1...", arg) if isinstance(arg, str) else arg for arg in record.args)
+        return True

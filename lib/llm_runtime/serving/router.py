@@ -7,8 +7,9 @@ Disaggregated (`--prefill` and `--decode`, each one or more servers started with
 request goes first to a prefill server with one token to generate and `kv_transfer_params` that tell it to ship
 the prompt's KV blocks to the chosen decode server (its receiving address, from `GET /v1/kv_transfer`), then to
 that decode server, whose answer, streamed or not, is the client's (vLLM's disaggregation proxy works the same
-way). A completion request of several prompts is split into one pair of legs per prompt, run at once, and their
-answers merged into one (choices in prompt order, usage summed; streamed, their events interleaved as they come).
+way). A completion request of several prompts (at most MAX_PROMPTS) is split into one pair of legs per prompt, run
+at once, and their answers merged into one (choices in prompt order, usage summed; streamed, their events
+interleaved as they come).
 The prefill leg asks only for the prompt's KV: the client's sampling fields that shape the output (min_tokens,
 logprobs, echo) are left to the decode leg. Replicas (`--replica`): each request goes to one server, by
 `--policy`:
@@ -58,7 +59,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
-from ..kv_transfer.trust import is_unspecified, sign_params
+from ..kv_transfer.trust import is_loopback, is_unspecified, sign_params
 from .middleware import ApiKeyCheck, BodyLimit
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ HEALTH_INTERVAL_S = 1.0
 HEALTH_TIMEOUT_S = 2.0
 MISSED_PROBES = 3  # probes in a row a backend may miss (late, or not 200) before it leaves the rotation
 DEFAULT_MAX_REQUEST_BYTES = 2 * 2**20
+MAX_PROMPTS = 16  # prompts of one disaggregated completion request: each is a prefill and a shipped KV transfer
+MERGED_EVENTS_QUEUED = 64  # events a merged stream holds for a slow reader before its legs wait
 WENT_DOWN = "the backend went down"  # the message of a cancellation by mark_down (any other is passed on)
 # What only shapes the output: the prefill leg, which generates one token to be thrown away, leaves these out.
 OUTPUT_ONLY_FIELDS = ("min_tokens", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "stream_options")
@@ -213,7 +216,9 @@ class Router:
         self.everyone = self.prefill.backends + self.decode.backends + self.replicas.backends
         self.metrics = RouterMetrics()
         self.kv_secret = kv_secret
-        self._timeout = httpx.Timeout(request_timeout_s, connect=2.0)
+        # A connection from the pool within 10 s, or the request fails (502) instead of waiting behind others' streams.
+        self._timeout = httpx.Timeout(request_timeout_s, connect=2.0, pool=10.0)
+        self._limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
         self._headers = {"Authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
         self._client: httpx.AsyncClient | None = None
 
@@ -225,7 +230,7 @@ class Router:
     # ------------------------------------------------------------------ life cycle and health
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        self._client = httpx.AsyncClient(timeout=self._timeout, headers=self._headers)
+        self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits, headers=self._headers)
         await asyncio.gather(*(self.check(b) for b in self.everyone))
         watcher = asyncio.create_task(self._watch())
         try:
@@ -238,7 +243,10 @@ class Router:
 
     async def _watch(self) -> None:
         while True:
-            await asyncio.gather(*(self.check(b) for b in self.everyone))
+            try:
+                await asyncio.gather(*(self.check(b) for b in self.everyone))
+            except Exception:  # noqa: BLE001 - a probe's surprise is not the end of every later probe
+                logger.exception("a health check failed unexpectedly; checking on")
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
     async def check(self, backend: Backend) -> None:
@@ -276,8 +284,12 @@ class Router:
         host, port = info.get("kv_ip"), info.get("kv_port")
         if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int) or port <= 0:
             return None
+        url_host = urlsplit(backend.url).hostname or ""
         if is_unspecified(host):
-            host = urlsplit(backend.url).hostname or host
+            host = url_host or host
+        elif is_loopback(host) and not is_loopback(url_host):  # bound on its own loopback, on another machine
+            logger.warning("decode server %s receives KV on %s, which no other machine reaches", backend.url, host)
+            return None
         return host, port
 
     def mark_down(self, backend: Backend, why: str, cancel: bool) -> None:
@@ -327,7 +339,8 @@ class Router:
                                               stream=True)
         except httpx.HTTPError as error:
             self.metrics.errors.labels(backend.url, backend.role).inc()
-            self.mark_down(backend, str(error), cancel=True)
+            if isinstance(error, httpx.ConnectError):  # nothing listens there: gone (a late answer is not)
+                self.mark_down(backend, str(error), cancel=True)
             raise BackendFailed(backend, f"the backend {backend.url} failed: {type(error).__name__}: {error}") \
                 from error
         if upstream.status_code != 200:
@@ -400,8 +413,15 @@ class Router:
         if body.get("n", 1) != 1:
             return _error(400, "disaggregated serving runs one completion per request (n = 1)",
                           "invalid_request_error")
+        if not isinstance(body.get("stream_options") or {}, dict):
+            return _error(400, "stream_options must be an object", "invalid_request_error")
         bodies = split_prompts(body) if path == "/v1/completions" else [body]
-        legs = await asyncio.gather(*(self.prefilled(path, one) for one in bodies))
+        if len(bodies) > MAX_PROMPTS:
+            return _error(400, f"disaggregated serving takes at most {MAX_PROMPTS} prompts a request, got "
+                               f"{len(bodies)}", "invalid_request_error")
+        legs = await _unless_gone(asyncio.gather(*(self.prefilled(path, one) for one in bodies)), request)
+        if legs is None:
+            return Response(status_code=499)
         refused = next((leg for leg in legs if isinstance(leg, Response)), None)
         if refused is not None:
             return refused
@@ -471,7 +491,7 @@ class Router:
                             include_usage: bool) -> AsyncIterator[str]:
         """Several prompts' streams as one: each event's choices renumbered by prompt, in the order they come, the
         usage summed into one last event, then one `[DONE]`."""
-        queue: asyncio.Queue[tuple[int, dict[str, Any] | None]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, dict[str, Any] | None]] = asyncio.Queue(MERGED_EVENTS_QUEUED)
 
         async def pump(index: int, backend: Backend, body: dict[str, Any]) -> None:
             try:
@@ -609,7 +629,8 @@ def create_router(prefill: Sequence[str] = (), decode: Sequence[str] = (), repli
         try:
             answer = await router.client.get(f"{backend.url}/v1/models")
         except httpx.HTTPError as error:
-            router.mark_down(backend, str(error), cancel=True)
+            if isinstance(error, httpx.ConnectError):
+                router.mark_down(backend, str(error), cancel=True)
             return _error(502, f"the backend {backend.url} failed: {error}")
         return Response(answer.content, status_code=answer.status_code, media_type="application/json")
 

@@ -58,7 +58,7 @@ from .async_engine import AsyncLLMEngine, RequestStream
 from .dashboard import STATIC_DIR
 from .engine_events import EngineFeed
 from .metrics import ServerMetrics
-from .middleware import ApiKeyCheck, BodyLimit
+from .middleware import ApiKeyCheck, BodyLimit, RedactApiKey
 from .responses import APIError, Formatter, OpenAIResponse
 from .tools import ChatConstraint, chat_constraint
 
@@ -162,9 +162,11 @@ def create_app(engine: LLMEngine, model_name: str, max_waiting_requests: int = 2
         try:
             yield
         finally:
-            await async_engine.stop()
-            if agent is not None:
-                agent.close()
+            try:
+                await async_engine.stop()
+            finally:
+                if agent is not None:
+                    agent.close()
 
     app = FastAPI(title="llm_runtime", version="0.1.0", lifespan=lifespan,
                   description="An OpenAI-compatible server for one model (see the llm_runtime course).")
@@ -414,4 +416,5 @@ def serve(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int
           api_key: str | None = None, enable_dev_routes: bool = False) -> None:
     app = create_app(engine, model_name, max_waiting_requests, max_request_bytes, step_executor, kv_transfer_config,
                      api_key, enable_dev_routes)
+    logging.getLogger("uvicorn.access").addFilter(RedactApiKey())  # the feed's ?api_key= stays out of the log
     Server(uvicorn.Config(app, host=host, port=port, log_level="info"), on_exit=app.state.async_engine.feed.close).run()

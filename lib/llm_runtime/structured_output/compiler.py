@@ -18,9 +18,11 @@ thousand requests with fresh schemas at once. So (as vLLM V1's structured-output
   so are refusals (a schema that does not compile is not compiled again);
 - at most `max_pending` compiles are queued or running: past that, `submit` raises EngineBusyError (the server's
   503), so a flood of fresh schemas holds a bounded amount of work;
-- a compile still running `timeout_s` after it was submitted is abandoned: everyone waiting for it is refused,
-  it is counted (`num_abandoned`), its constraint is refused at once from then on, and its result is dropped
-  when it finishes (xgrammar cannot be stopped midway; it still counts against `max_pending` until it ends).
+- a compile still running `timeout_s` after it started is abandoned: everyone waiting for it is refused, it is
+  counted (`num_abandoned`), its constraint is refused at once from then on, and its result is dropped when it
+  finishes (xgrammar cannot be stopped midway; it still counts against `max_pending` until it ends). The deadline
+  counts from the start, not from the submission: a constraint queued behind two slow ones (another client's)
+  is not refused for their slowness.
 """
 
 from __future__ import annotations
@@ -78,28 +80,45 @@ class PendingGrammar:
 
     def result(self) -> CompiledGrammar:
         """The compiled grammar; InvalidRequestError when it does not compile or runs past its deadline."""
-        try:
-            return self._job.future.result(timeout=max(0.0, self._job.deadline - time.monotonic()))
-        except FutureTimeout:
-            raise self._compiler._abandon(self._params, self._job) from None
+        job = self._job
+        while True:
+            deadline = job.deadline(self._compiler.timeout_s)
+            try:
+                return job.future.result(timeout=_QUEUED_POLL_S if deadline is None else
+                                         max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise self._compiler._abandon(self._params, job) from None
 
     async def wait(self) -> CompiledGrammar:
         """`result()` for a coroutine: the event loop serves everyone else meanwhile."""
-        # Shielded: one waiter's timeout must not cancel the compile that the other waiters share.
-        shared = asyncio.shield(asyncio.wrap_future(self._job.future))
-        try:
-            return await asyncio.wait_for(shared, max(0.0, self._job.deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            raise self._compiler._abandon(self._params, self._job) from None
+        job = self._job
+        compiled = asyncio.wrap_future(job.future)
+        while True:
+            deadline = job.deadline(self._compiler.timeout_s)
+            try:  # shielded: one waiter's timeout must not cancel the compile that the other waiters share
+                return await asyncio.wait_for(asyncio.shield(compiled), _QUEUED_POLL_S if deadline is None else
+                                              max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise self._compiler._abandon(self._params, job) from None
+
+
+_QUEUED_POLL_S = 0.05  # how often a waiter looks whether a queued compile has started (its deadline with it)
 
 
 @dataclass(eq=False)
 class _Compile:
-    """One compile in flight: its future, its deadline (time.monotonic()), and whether it was abandoned."""
+    """One compile in flight: its future, when a worker started it (time.monotonic(); None while it is queued),
+    and whether it was abandoned."""
 
     future: Future
-    deadline: float
+    started: float | None = None
     abandoned: bool = False
+
+    def deadline(self, timeout_s: float) -> float | None:
+        """When it is abandoned (None while queued: its time in the queue is not its own)."""
+        return None if self.started is None else self.started + timeout_s
 
 
 class GrammarCompiler:
@@ -154,7 +173,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 done: Future = Future()
                 done.set_result(cached)
-                return PendingGrammar(self, params, _Compile(done, float("inf")))
+                return PendingGrammar(self, params, _Compile(done))
             reason = self._refused.get(key)
             if reason is not None:
                 self._refused.move_to_end(key)
@@ -165,7 +184,8 @@ class GrammarCompiler:
                 return PendingGrammar(self, params, job)
             if self._num_in_flight >= self.max_pending:
                 raise EngineBusyError(f"{self._num_in_flight} constraints are being compiled already; retry later")
-            job = _Compile(self._workers.submit(self._compile_now, params), time.monotonic() + self.timeout_s)
+            job = _Compile(Future())  # (the worker's future replaces this one: the job must exist before it runs)
+            job.future = self._workers.submit(self._run, job, params)
             self._pending[key] = job
             self._num_in_flight += 1
         job.future.add_done_callback(lambda future: self._finished(key, job))
@@ -212,6 +232,11 @@ class GrammarCompiler:
         """Compiles queued or running now (abandoned ones included, until they end)."""
         with self._lock:
             return self._num_in_flight
+
+    def _run(self, job: _Compile, params: StructuredOutputsParams) -> CompiledGrammar:
+        """On a worker: the compile's clock starts now (its deadline with it)."""
+        job.started = time.monotonic()
+        return self._compile_now(params)
 
     def _compile_now(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """Compile on a worker; xgrammar's parse and schema errors become InvalidRequestError naming the field."""
