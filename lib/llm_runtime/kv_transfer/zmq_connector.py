@@ -184,6 +184,7 @@ class KVReceiver:
                 self._room.wait(timeout=0.1)
             self._inbox.append(received)
             self._inbox_bytes += received.nbytes
+            self._room.notify_all()  # (a caller of `wait`)
         if self.on_message is not None:
             try:
                 self.on_message()
@@ -196,6 +197,21 @@ class KVReceiver:
             taken, self._inbox, self._inbox_bytes = list(self._inbox), collections.deque(), 0
             self._room.notify_all()
         return taken
+
+    def wait(self, timeout_s: float = 60.0) -> Received:
+        """The next payload received, waiting up to `timeout_s` for one (TimeoutError): for a caller that takes
+        payloads one at a time (lesson 18), where a server takes them all between steps (`take`)."""
+        deadline = time.monotonic() + timeout_s
+        with self._room:
+            while not self._inbox:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"no KV payload arrived within {timeout_s:g} s")
+                self._room.wait(remaining)
+            received = self._inbox.popleft()
+            self._inbox_bytes -= received.nbytes
+            self._room.notify_all()
+        return received
 
     @property
     def num_waiting(self) -> int:

@@ -141,6 +141,16 @@ def check_parse_chat_stream(fn: object) -> Verdict:
 
 
 # ------------------------------------------------------------------------------------------ back-pressure
+class _Request:
+    """What the async engine reads of an `EngineRequest`: its id, and its grammar compiled (there is none)."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
+    async def compiled_async(self) -> "_Request":
+        return self
+
+
 class _StalledEngine:
     """Stands in for `LLMEngine` behind `AsyncLLMEngine`: it accepts every request and runs none (a GPU
     busy with long requests), so every request the async engine lets in stays waiting."""
@@ -149,8 +159,8 @@ class _StalledEngine:
         self.num_waiting = num_waiting
         self.input_processor = self
 
-    def process(self, request_id: str, prompt: object, params: object) -> SimpleNamespace:
-        return SimpleNamespace(request_id=request_id)  # what the async engine reads of an EngineRequest
+    def process(self, request_id: str, prompt: object, params: object, wait_for_grammar: bool = True) -> "_Request":
+        return _Request(request_id)
 
     def stats(self) -> EngineStats:
         return EngineStats(num_total_blocks=1, num_free_blocks=1, num_cached_blocks=0, block_size=16, num_running=0,
