@@ -21,7 +21,7 @@ the rest free), each timed to its first token. The same load runs twice: calm, t
 The report: every answer by source and status; the 5xx outside the documented ones (503 busy, 503 when
 compiles are full) must be 0; the normal requests' TTFT p50 and p99 in each phase and their ratio (target:
 p99 within 2x); the KV blocks in use on both servers after the run, once unclaimed received blocks have
-expired (must be 0); each server's resident memory at the start and end of each phase.
+expired (must be 0); each server's resident memory at the start of each phase and after each quarter of it.
 """
 
 from __future__ import annotations
@@ -180,11 +180,21 @@ async def frames(kv_address: tuple[str, int], deadline: float, rng: random.Rando
         socket.close()
 
 
+async def sample_memory(pids: dict[str, int], name: str, duration: float,
+                        memory: dict[str, list[tuple[str, float]]]) -> None:
+    """Each server's resident memory at the start of a phase and after each quarter of it."""
+    for quarter in range(5):
+        for server_name, pid in pids.items():
+            memory[server_name].append((f"{name} {quarter * duration / 4:.0f} s", rss_mib(pid)))
+        if quarter < 4:
+            await asyncio.sleep(duration / 4)
+
+
 async def phase(urls: dict[str, str], kv_address: tuple[str, int], duration: float, rate: float, seed: int,
-                hostile: bool) -> tuple[list[float], collections.Counter]:
+                hostile: bool, sampling) -> tuple[list[float], collections.Counter]:
     rng, ttfts, counts = random.Random(seed), [], collections.Counter()
     deadline = time.monotonic() + duration
-    work = [normal_client(urls["router"], rate, deadline, rng, ttfts, counts)]
+    work = [normal_client(urls["router"], rate, deadline, rng, ttfts, counts), sampling]
     if hostile:
         work.append(hostile_clients(urls, kv_address, deadline, random.Random(seed + 1), counts))
     await asyncio.gather(*work)
@@ -219,12 +229,10 @@ def main() -> int:
         urls = {"router": router.url, "prefill": prefill.url, "decode": decode.url}
         memory: dict[str, list[tuple[str, float]]] = {name: [] for name in servers}
         results = {}
+        pids = {name: server.pid for name, server in servers.items()}
         for name, hostile in (("calm", False), ("hostile", True)):
-            for server_name, server in servers.items():
-                memory[server_name].append((f"{name} start", rss_mib(server.pid)))
-            results[name] = asyncio.run(phase(urls, kv_address, args.duration, args.rate, args.seed, hostile))
-            for server_name, server in servers.items():
-                memory[server_name].append((f"{name} end", rss_mib(server.pid)))
+            results[name] = asyncio.run(phase(urls, kv_address, args.duration, args.rate, args.seed, hostile,
+                                              sample_memory(pids, name, args.duration, memory)))
         time.sleep(TIMEOUT_S + 3)  # unclaimed received blocks expire, idle servers included
         used = {name: counters(server.url)["kv_blocks_used"] for name, server in servers.items()}
         refused = counters(decode.url).get("kv_transfer_refused_total", float("nan"))
@@ -247,7 +255,7 @@ def main() -> int:
     print(f"KV blocks in use after the run: {used} (must be 0); malformed KV messages the consumer refused: "
           f"{refused:.0f}")
     for name, samples in memory.items():
-        print(f"{name} server resident memory: " + ", ".join(f"{when} {mib:.0f} MiB" for when, mib in samples))
+        print(f"{name} server resident memory (MiB): " + ", ".join(f"{when} {mib:.0f}" for when, mib in samples))
     ok = bad == 0 and all(v == 0 for v in used.values()) and hostile / calm <= 2
     print("PASS" if ok else f"FAIL ({bad} answers out of place)")
     return 0 if ok else 1

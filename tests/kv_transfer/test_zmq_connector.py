@@ -3,8 +3,8 @@ payloads to a lane of their address; a receiver that is gone fails one send afte
 once, without holding up the sends to a live receiver; payloads past the byte budget are refused at once; lanes
 are bounded; the transfer histograms keep counts, not values. The receiving end as a hostile peer meets it:
 messages of every wrong shape, type and size, frames past MAXMSGSIZE, unsigned, wrongly signed, replayed and
-untrusted messages are refused and counted, and after each one a good payload still arrives; a full inbox
-pushes back on the sender instead of growing."""
+untrusted messages are refused and counted (and logged at most once every few seconds), and after each one a
+good payload still arrives; a full inbox pushes back on the sender instead of growing."""
 
 from __future__ import annotations
 
@@ -141,7 +141,8 @@ def _hostile_messages() -> list[tuple[str, list[bytes]]]:
     ]
 
 
-def test_every_hostile_message_is_refused_and_the_receiver_lives_on() -> None:
+def test_every_hostile_message_is_refused_and_the_receiver_lives_on(caplog) -> None:
+    caplog.set_level("WARNING", logger=zmq_connector.__name__)
     receiver, sender = KVReceiver("127.0.0.1", 0, max_tokens=64), KVSender()
     socket = _raw_sender(receiver)
     try:
@@ -152,6 +153,8 @@ def test_every_hostile_message_is_refused_and_the_receiver_lives_on() -> None:
             assert [r.payload.transfer_id for r in arrived] == [f"good-{number}"], what
             assert receiver.num_refused == number, (what, receiver.last_refusal)
             assert receiver._thread.is_alive()
+        logged = [r for r in caplog.records if r.name == zmq_connector.__name__]
+        assert len(logged) == 1, "a flood of refusals is logged once every REFUSAL_LOG_EVERY_S, not once each"
     finally:
         socket.close()
         sender.close()

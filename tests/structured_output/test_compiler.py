@@ -3,12 +3,16 @@ schema, regex or grammar, an over-long one or one too slow to compile is refused
 compiles a constraint once; choices are escaped so the grammar accepts exactly the strings given. Under load:
 one compile per distinct constraint, shared by a burst of requests; a bound on compiles in flight (busy past it);
 a compile past its deadline abandoned, counted once, its constraint refused at once afterwards and its late
-result dropped; a constraint that does not compile is not compiled again."""
+result dropped; one left queued past its bound cancelled as busy; a constraint that does not compile is not
+compiled again; the cache bounded by the bytes its grammars hold."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -81,6 +85,56 @@ def test_a_constraint_compiles_once_and_the_cache_is_bounded(bundled_tokenizer) 
     compiler.compile(Params(regex="b+"))
     compiler.compile(Params(regex="c+"))  # evicts a+, the least recently used
     assert compiler.compile(Params(regex="a+")) is not first and compiler.num_compiled == 4
+
+
+def test_the_cache_is_bounded_by_the_bytes_its_grammars_hold(bundled_tokenizer) -> None:
+    """Fresh large schemas must not fill memory: before, 256 cached grammars of 51 MB each (a schema of 200
+    patterned properties) could be kept."""
+    compiler = GrammarCompiler(bundled_tokenizer, 49152, (2,))
+    sizes = {regex: compiler.compile(Params(regex=regex)).nbytes for regex in ("a+", "b+", "c+")}
+    assert all(size > 0 for size in sizes.values()) and compiler.cached_bytes == sum(sizes.values())
+    small = GrammarCompiler(bundled_tokenizer, 49152, (2,), cache_bytes=sizes["a+"] + sizes["b+"])
+    first = small.compile(Params(regex="a+"))
+    small.compile(Params(regex="b+"))
+    small.compile(Params(regex="c+"))  # past the budget: a+, the least recently used, goes
+    assert small.cached_bytes <= small.cache_bytes and small.compile(Params(regex="a+")) is not first
+    tiny = GrammarCompiler(bundled_tokenizer, 49152, (2,), cache_bytes=1)  # no grammar fits: served, not kept
+    assert tiny.compile(Params(regex="a+")) is not None and tiny.cached_bytes == 0
+    assert tiny.compile(Params(regex="a+")) is not None and tiny.num_compiled == 2
+
+
+def test_a_grammar_nobody_holds_is_freed_at_once(bundled_tokenizer) -> None:
+    """Without waiting for the garbage collector: before, each compile's future and its callback held each other,
+    so every uncached grammar (51 MB for a large schema) lived on until a full collection (a soak of fresh
+    schemas grew a server by 500 MB in two minutes)."""
+    compiler = GrammarCompiler(bundled_tokenizer, 49152, (2,), cache_bytes=1)  # nothing is cached
+    gc.disable()
+    try:
+        grammar = compiler.compile(Params(regex="[a-z]+@[a-z]+"))
+        freed = weakref.ref(grammar)
+        del grammar
+        assert freed() is None
+    finally:
+        gc.enable()
+
+
+def test_a_compile_left_queued_past_its_bound_is_cancelled_as_busy(bundled_tokenizer, monkeypatch) -> None:
+    """Both workers held by slow compiles: a constraint queued behind them waits `queue_timeout_s`, then it and
+    everyone sharing it get EngineBusyError (the server's 503), and its place in the bound is freed."""
+    compiler = GrammarCompiler(bundled_tokenizer, 49152, (2,), timeout_s=30, queue_timeout_s=0.3)
+    release, runs = _gated(compiler, monkeypatch, {"slow+", "slower+"})
+    slow = [compiler.submit(Params(regex=regex)) for regex in ("slow+", "slower+")]
+    queued, sharing = compiler.submit(Params(regex="queued+")), compiler.submit(Params(regex="queued+"))
+    started = time.perf_counter()
+    with pytest.raises(EngineBusyError, match="waited .* for one of the grammar compiler's workers"):
+        queued.result()
+    assert time.perf_counter() - started < 5
+    with pytest.raises(EngineBusyError):
+        asyncio.run(sharing.wait())
+    assert compiler.num_pending == 2  # the slow ones only
+    release.set()
+    assert all(pending.result() is not None for pending in slow)
+    assert compiler.compile(Params(regex="queued+")) is not None and runs.count("queued+") == 1  # not refused
 
 
 def _gated(compiler: GrammarCompiler, monkeypatch, slow: set[str]) -> tuple[threading.Event, list[str]]:

@@ -22,19 +22,23 @@ thousand requests with fresh schemas at once. So (as vLLM V1's structured-output
   counted (`num_abandoned`), its constraint is refused at once from then on, and its result is dropped when it
   finishes (xgrammar cannot be stopped midway; it still counts against `max_pending` until it ends). The deadline
   counts from the start, not from the submission: a constraint queued behind two slow ones (another client's)
-  is not refused for their slowness.
+  is not refused for their slowness. It is not left waiting for ever either: a compile still queued
+  `queue_timeout_s` after it was submitted is cancelled and its requests get EngineBusyError (503, retry later);
+- compiled grammars are cached up to `cache_bytes` (xgrammar's own measure of each), not a count: a schema of
+  two hundred patterned properties compiles to 51 MB, so a count would let fresh large schemas fill memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import EngineBusyError, InvalidRequestError
@@ -49,6 +53,11 @@ class CompiledGrammar:
     key: tuple[str, str, bool]  # StructuredOutputsParams.key
     compiled: Any  # xgrammar.CompiledGrammar
     vocab_size: int  # the logits' width the masks are made for (the model's vocabulary, padding included)
+
+    @property
+    def nbytes(self) -> int:
+        """The memory the compiled grammar holds, as xgrammar measures it."""
+        return int(self.compiled.memory_size_bytes)
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -79,29 +88,46 @@ class PendingGrammar:
         self._compiler, self._params, self._job = compiler, params, job
 
     def result(self) -> CompiledGrammar:
-        """The compiled grammar; InvalidRequestError when it does not compile or runs past its deadline."""
+        """The compiled grammar; InvalidRequestError when it does not compile or runs past its deadline,
+        EngineBusyError when it waited past `queue_timeout_s` for a worker."""
         job = self._job
         while True:
-            deadline = job.deadline(self._compiler.timeout_s)
             try:
-                return job.future.result(timeout=_QUEUED_POLL_S if deadline is None else
-                                         max(0.0, deadline - time.monotonic()))
+                return job.future.result(timeout=self._wait_s())
             except FutureTimeout:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise self._compiler._abandon(self._params, job) from None
+                self._check_deadlines()
+            except CancelledError:
+                raise self._compiler._busy(job) from None
 
     async def wait(self) -> CompiledGrammar:
         """`result()` for a coroutine: the event loop serves everyone else meanwhile."""
         job = self._job
         compiled = asyncio.wrap_future(job.future)
         while True:
-            deadline = job.deadline(self._compiler.timeout_s)
             try:  # shielded: one waiter's timeout must not cancel the compile that the other waiters share
-                return await asyncio.wait_for(asyncio.shield(compiled), _QUEUED_POLL_S if deadline is None else
-                                              max(0.0, deadline - time.monotonic()))
+                return await asyncio.wait_for(asyncio.shield(compiled), self._wait_s())
             except asyncio.TimeoutError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise self._compiler._abandon(self._params, job) from None
+                self._check_deadlines()
+            except asyncio.CancelledError:
+                if not job.future.cancelled():
+                    raise  # this waiter was cancelled, not the compile
+                raise self._compiler._busy(job) from None
+
+    def _wait_s(self) -> float:
+        """How long to wait before looking again: to the deadline once the compile runs; a short poll while it is
+        queued (a worker may take it any moment, and its deadline starts then)."""
+        deadline = self._job.deadline(self._compiler.timeout_s)
+        return _QUEUED_POLL_S if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def _check_deadlines(self) -> None:
+        """Raise if the compile ran past its deadline (abandoned), or waited in the queue past its bound
+        (cancelled); otherwise return, to wait on."""
+        job, compiler, now = self._job, self._compiler, time.monotonic()
+        deadline = job.deadline(compiler.timeout_s)
+        if deadline is not None and now >= deadline:
+            raise compiler._abandon(self._params, job)
+        if job.started is None and now >= job.queued_at + compiler.queue_timeout_s and job.future.cancel():
+            raise compiler._busy(job)
 
 
 _QUEUED_POLL_S = 0.05  # how often a waiter looks whether a queued compile has started (its deadline with it)
@@ -110,11 +136,12 @@ _QUEUED_POLL_S = 0.05  # how often a waiter looks whether a queued compile has s
 @dataclass(eq=False)
 class _Compile:
     """One compile in flight: its future, when a worker started it (time.monotonic(); None while it is queued),
-    and whether it was abandoned."""
+    whether it was abandoned, and when it was submitted."""
 
     future: Future
     started: float | None = None
     abandoned: bool = False
+    queued_at: float = field(default_factory=time.monotonic)
 
     def deadline(self, timeout_s: float) -> float | None:
         """When it is abandoned (None while queued: its time in the queue is not its own)."""
@@ -126,8 +153,8 @@ class GrammarCompiler:
     """Compiles `StructuredOutputsParams` for one tokenizer and vocabulary; thread-safe, bounded, cached."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], *,
-                 max_spec_chars: int = 65536, timeout_s: float = 10.0, cache_size: int = 256,
-                 max_pending: int = 8) -> None:
+                 max_spec_chars: int = 65536, timeout_s: float = 10.0, queue_timeout_s: float = 30.0,
+                 cache_size: int = 256, cache_bytes: int = 256 << 20, max_pending: int = 8) -> None:
         import xgrammar  # here, not at import: `import llm_runtime` stays quick for lessons that never constrain
 
         self._xgr = xgrammar
@@ -138,8 +165,9 @@ class GrammarCompiler:
         self._compiler = xgrammar.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
         self.vocab_size = vocab_size
         self.max_spec_chars = max_spec_chars
-        self.timeout_s = timeout_s
-        self.cache_size = cache_size
+        self.timeout_s, self.queue_timeout_s = timeout_s, queue_timeout_s
+        self.cache_size, self.cache_bytes = cache_size, cache_bytes
+        self._cached_bytes = 0  # xgrammar's memory_size_bytes of the grammars in _cache
         self.max_pending = max_pending
         self._cache: OrderedDict[tuple[str, str, bool], CompiledGrammar] = OrderedDict()
         # Constraints refused once (they do not compile, or compiled too slowly): refused again without compiling.
@@ -188,22 +216,27 @@ class GrammarCompiler:
             job.future = self._workers.submit(self._run, job, params)
             self._pending[key] = job
             self._num_in_flight += 1
-        job.future.add_done_callback(lambda future: self._finished(key, job))
+        # The callback names the key, not the job: a future whose callback held its job would be a reference cycle
+        # (job -> future -> callback -> job), and each dropped grammar (51 MB for a large schema) would live on
+        # until the garbage collector's next full pass instead of going with its last request.
+        job.future.add_done_callback(functools.partial(self._finished, key))
         return PendingGrammar(self, params, job)
 
-    def _finished(self, key: tuple[str, str, bool], job: _Compile) -> None:
-        """A compile ended (on its worker): the cache keeps a grammar made in time, the refusals a constraint that
-        does not compile."""
+    def _finished(self, key: tuple[str, str, bool], future: Future) -> None:
+        """A compile ended (on its worker), or was cancelled while queued: the cache keeps a grammar made in time,
+        the refusals a constraint that does not compile. An abandoned compile is no longer pending (`_abandon`
+        took it out): its result is dropped."""
         with self._lock:
             self._num_in_flight -= 1
-            if self._pending.get(key) is job:
-                del self._pending[key]
-            if job.abandoned or job.future.cancelled():
+            job = self._pending.get(key)
+            if job is None or job.future is not future:
                 return
-            error = job.future.exception()
+            del self._pending[key]
+            if future.cancelled():
+                return
+            error = future.exception()
             if error is None:
-                self._cache[key] = job.future.result()
-                self._trim(self._cache)
+                self._keep(key, future.result())
                 self.num_compiled += 1
             elif isinstance(error, InvalidRequestError):
                 self._refused[key] = str(error)
@@ -223,9 +256,31 @@ class GrammarCompiler:
                 self._trim(self._refused)
         return InvalidRequestError(params.param, message)
 
+    def _busy(self, job: _Compile) -> EngineBusyError:
+        """The error for a waiter whose compile was cancelled while queued (its done callback has dropped it)."""
+        return EngineBusyError(f"a constraint waited {time.monotonic() - job.queued_at:.0f} s for one of the "
+                               f"grammar compiler's workers; retry later")
+
+    def _keep(self, key: tuple[str, str, bool], grammar: CompiledGrammar) -> None:
+        """Cache `grammar` (under the lock), evicting the least recently used past `cache_size` or `cache_bytes`;
+        one larger than the whole budget is served to its requests but not kept."""
+        size = grammar.nbytes
+        if size > self.cache_bytes:
+            return
+        self._cache[key] = grammar
+        self._cached_bytes += size
+        while len(self._cache) > self.cache_size or self._cached_bytes > self.cache_bytes:
+            self._cached_bytes -= self._cache.popitem(last=False)[1].nbytes
+
     def _trim(self, table: OrderedDict) -> None:
         while len(table) > self.cache_size:
             table.popitem(last=False)
+
+    @property
+    def cached_bytes(self) -> int:
+        """xgrammar's measure of the grammars the cache holds now."""
+        with self._lock:
+            return self._cached_bytes
 
     @property
     def num_pending(self) -> int:
