@@ -154,7 +154,7 @@ def test_every_hostile_message_is_refused_and_the_receiver_lives_on(caplog) -> N
             assert receiver.num_refused == number, (what, receiver.last_refusal)
             assert receiver._thread.is_alive()
         logged = [r for r in caplog.records if r.name == zmq_connector.__name__]
-        assert len(logged) == 1, "a flood of refusals is logged once every REFUSAL_LOG_EVERY_S, not once each"
+        assert len(logged) == 1, "a flood of refusals is logged once every LogThrottle.every_s, not once each"
     finally:
         socket.close()
         sender.close()

@@ -38,6 +38,7 @@ from ..engine.engine import LLMEngine
 from ..engine.outputs import RequestOutput
 from ..errors import is_device_fault
 from .config import KVTransferConfig
+from .log_throttle import LogThrottle
 from .payload import check_transfer_id
 from .trust import is_loopback, signed_by
 from .zmq_connector import KVReceiver, KVSender, Received
@@ -173,6 +174,7 @@ class KVTransferAgent:
         self._failed: OrderedDict[str, float] = OrderedDict()  # transfer id -> when its blocks were refused
         self._unwanted: OrderedDict[str, float] = OrderedDict()  # transfer ids whose request was refused
         self._claims: dict[str, str] = {}  # request id -> the transfer id whose blocks it holds
+        self._refusals_log = LogThrottle(logger)  # a peer can make payloads refused at any rate
 
     def _count(self, **increments: int) -> None:
         """Add to the named counters, under the lock (the sender's lanes count too)."""
@@ -295,7 +297,7 @@ class KVTransferAgent:
                 self._arrived[transfer_id] = _Arrival(time.monotonic(), payload.token_ids, payload.num_blocks)
                 self._unclaimed_blocks += payload.num_blocks
                 return
-        logger.warning("refused KV transfer %r: %s", transfer_id, refusal)
+        self._refusals_log.warning("refused KV transfer %r: %s", transfer_id, refusal)
         self._count(refused_transfers=1)
         self._unwanted.pop(transfer_id, None)
         _remember(self._failed, transfer_id)

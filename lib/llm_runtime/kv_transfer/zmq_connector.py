@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from .log_throttle import LogThrottle
 from .payload import KVPayload, read_header
 from .trust import MAC_BYTES, FrameSigner, curve_keys, fresh
 
@@ -56,7 +57,6 @@ MAX_LANES = 16  # receiving addresses a sender keeps a socket and a thread for (
 MAX_MESSAGE_AGE_S = 300.0  # a signed message sent longer ago than this is refused (a replay)
 MAX_INBOX_MESSAGES = 64  # payloads waiting for the engine's thread, whatever their size
 MAX_SEEN = 4096  # signed messages remembered (their MACs) to refuse a replay within MAX_MESSAGE_AGE_S
-REFUSAL_LOG_EVERY_S = 10.0  # refusals are logged at most this often (a flood must not become a flood of logs)
 ZAP_DOMAIN = b"llm_runtime-kv"
 
 
@@ -112,8 +112,7 @@ class KVReceiver:
         self._seen: collections.OrderedDict[bytes, float] = collections.OrderedDict()  # MACs taken, and when
         self.num_refused = self.refused_bytes = 0  # messages refused (any reason), written under _room
         self.last_refusal: str | None = None
-        self._refusals_logged_at = -REFUSAL_LOG_EVERY_S  # time.monotonic() of the last refusal logged
-        self._refusals_unlogged = 0  # refused since then
+        self._refusals_log = LogThrottle(logger)  # a flood of refusals is not a flood of log lines
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-receiver-{port}", daemon=True)
         self._thread.start()
@@ -171,14 +170,7 @@ class KVReceiver:
         self._seen[mac] = now
 
     def _refuse(self, nbytes: int, why: str) -> None:
-        now = time.monotonic()
-        if now - self._refusals_logged_at >= REFUSAL_LOG_EVERY_S:
-            logger.warning("refused a KV message of %d bytes: %s%s", nbytes, why,
-                           f" ({self._refusals_unlogged} more refused since the last one logged)"
-                           if self._refusals_unlogged else "")
-            self._refusals_logged_at, self._refusals_unlogged = now, 0
-        else:
-            self._refusals_unlogged += 1
+        self._refusals_log.warning("refused a KV message of %d bytes: %s", nbytes, why)
         with self._room:
             self.num_refused += 1
             self.refused_bytes += nbytes

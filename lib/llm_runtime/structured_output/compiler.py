@@ -31,7 +31,6 @@ thousand requests with fresh schemas at once. So (as vLLM V1's structured-output
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import re
 import threading
@@ -97,7 +96,7 @@ class PendingGrammar:
             except FutureTimeout:
                 self._check_deadlines()
             except CancelledError:
-                raise self._compiler._busy(job) from None
+                raise self._compiler._cancelled(self._params.key, job) from None
 
     async def wait(self) -> CompiledGrammar:
         """`result()` for a coroutine: the event loop serves everyone else meanwhile."""
@@ -111,7 +110,7 @@ class PendingGrammar:
             except asyncio.CancelledError:
                 if not job.future.cancelled():
                     raise  # this waiter was cancelled, not the compile
-                raise self._compiler._busy(job) from None
+                raise self._compiler._cancelled(self._params.key, job) from None
 
     def _wait_s(self) -> float:
         """How long to wait before looking again: to the deadline once the compile runs; a short poll while it is
@@ -127,7 +126,7 @@ class PendingGrammar:
         if deadline is not None and now >= deadline:
             raise compiler._abandon(self._params, job)
         if job.started is None and now >= job.queued_at + compiler.queue_timeout_s and job.future.cancel():
-            raise compiler._busy(job)
+            raise compiler._cancelled(self._params.key, job)
 
 
 _QUEUED_POLL_S = 0.05  # how often a waiter looks whether a queued compile has started (its deadline with it)
@@ -216,31 +215,37 @@ class GrammarCompiler:
             job.future = self._workers.submit(self._run, job, params)
             self._pending[key] = job
             self._num_in_flight += 1
-        # The callback names the key, not the job: a future whose callback held its job would be a reference cycle
-        # (job -> future -> callback -> job), and each dropped grammar (51 MB for a large schema) would live on
-        # until the garbage collector's next full pass instead of going with its last request.
-        job.future.add_done_callback(functools.partial(self._finished, key))
         return PendingGrammar(self, params, job)
 
-    def _finished(self, key: tuple[str, str, bool], future: Future) -> None:
-        """A compile ended (on its worker), or was cancelled while queued: the cache keeps a grammar made in time,
-        the refusals a constraint that does not compile. An abandoned compile is no longer pending (`_abandon`
-        took it out): its result is dropped."""
+    def _ended(self, key: tuple[str, str, bool], job: _Compile, grammar: CompiledGrammar | None = None,
+               refusal: str | None = None) -> None:
+        """A compile ended, on its worker, before its future is set (so whoever it wakes sees the counts and the
+        cache as they will be): the cache keeps a grammar made in time, the refusals a constraint that does not
+        compile; an abandoned compile's result is dropped. (Not a done callback on the future: the future would
+        hold the callback and the callback the job that holds the future, a reference cycle, and every dropped
+        grammar, 51 MB for a large schema, would live on until the garbage collector's next full pass.)"""
         with self._lock:
             self._num_in_flight -= 1
-            job = self._pending.get(key)
-            if job is None or job.future is not future:
+            if self._pending.get(key) is job:
+                del self._pending[key]
+            if job.abandoned:
                 return
-            del self._pending[key]
-            if future.cancelled():
-                return
-            error = future.exception()
-            if error is None:
-                self._keep(key, future.result())
+            if grammar is not None:
+                self._keep(key, grammar)
                 self.num_compiled += 1
-            elif isinstance(error, InvalidRequestError):
-                self._refused[key] = str(error)
+            elif refusal is not None:
+                self._refused[key] = refusal
                 self._trim(self._refused)
+
+    def _cancelled(self, key: tuple[str, str, bool], job: _Compile) -> EngineBusyError:
+        """A waiter cancelled `job` while it was queued (no worker will run it): its place is freed (once, however
+        many waiters see it cancelled); the error for the waiter to raise."""
+        with self._lock:
+            if self._pending.get(key) is job:
+                del self._pending[key]
+                self._num_in_flight -= 1
+        return EngineBusyError(f"a constraint waited {time.monotonic() - job.queued_at:.0f} s for one of the "
+                               f"grammar compiler's workers; retry later")
 
     def _abandon(self, params: StructuredOutputsParams, job: _Compile) -> InvalidRequestError:
         """A waiter saw `job` pass its deadline: abandon it (once), refuse its constraint from now on; the error for
@@ -256,17 +261,14 @@ class GrammarCompiler:
                 self._trim(self._refused)
         return InvalidRequestError(params.param, message)
 
-    def _busy(self, job: _Compile) -> EngineBusyError:
-        """The error for a waiter whose compile was cancelled while queued (its done callback has dropped it)."""
-        return EngineBusyError(f"a constraint waited {time.monotonic() - job.queued_at:.0f} s for one of the "
-                               f"grammar compiler's workers; retry later")
-
     def _keep(self, key: tuple[str, str, bool], grammar: CompiledGrammar) -> None:
         """Cache `grammar` (under the lock), evicting the least recently used past `cache_size` or `cache_bytes`;
         one larger than the whole budget is served to its requests but not kept."""
         size = grammar.nbytes
         if size > self.cache_bytes:
             return
+        replaced = self._cache.pop(key, None)
+        self._cached_bytes -= 0 if replaced is None else replaced.nbytes
         self._cache[key] = grammar
         self._cached_bytes += size
         while len(self._cache) > self.cache_size or self._cached_bytes > self.cache_bytes:
@@ -291,7 +293,16 @@ class GrammarCompiler:
     def _run(self, job: _Compile, params: StructuredOutputsParams) -> CompiledGrammar:
         """On a worker: the compile's clock starts now (its deadline with it)."""
         job.started = time.monotonic()
-        return self._compile_now(params)
+        try:
+            grammar = self._compile_now(params)
+        except InvalidRequestError as error:
+            self._ended(params.key, job, refusal=str(error))
+            raise
+        except BaseException:
+            self._ended(params.key, job)
+            raise
+        self._ended(params.key, job, grammar)
+        return grammar
 
     def _compile_now(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """Compile on a worker; xgrammar's parse and schema errors become InvalidRequestError naming the field."""
