@@ -55,8 +55,9 @@ class CompiledGrammar:
 
     @property
     def nbytes(self) -> int:
-        """The memory the compiled grammar holds, as xgrammar measures it."""
-        return int(self.compiled.memory_size_bytes)
+        """The memory the compiled grammar holds, as xgrammar measures it (an xgrammar too old to measure: 1 MiB,
+        so the cache's byte bound still bounds how many it keeps)."""
+        return int(getattr(self.compiled, "memory_size_bytes", 1 << 20))
 
 
 def choice_grammar(choices: list[str]) -> str:
