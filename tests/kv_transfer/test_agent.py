@@ -44,8 +44,8 @@ def _consumer(tiny_chat_model, timeout_s: float = 30.0, **options):
     model, tokenizer = tiny_chat_model
     engine = LLMEngine(model, tokenizer, EngineConfig(**OPTIONS))
     holder: list[AsyncLLMEngine] = []
-    agent = KVTransferAgent(engine, KVTransferConfig(kv_role="kv_consumer", kv_port=0,
-                                                     kv_transfer_timeout_s=timeout_s), on_message=lambda: holder[0].wake())
+    config = KVTransferConfig(kv_role="kv_consumer", kv_port=0, kv_transfer_timeout_s=timeout_s)
+    agent = KVTransferAgent(engine, config, on_message=lambda: holder[0].wake())
     holder.append(AsyncLLMEngine(engine, kv_transfer=agent, **options))
     return engine, agent, holder[0]
 

@@ -19,7 +19,8 @@ sends one server-sent event per generated token (even when its text is still inc
 with `data: [DONE]`. Every failure is OpenAI's JSON error object: 400 for an invalid request (its
 `param` names the field), 404 for an unknown model or route, 413 for a body over the limit, 500 when
 the engine failed this request (mid-stream: an `error` event before `[DONE]`), 503 when the queue is
-full, too many distinct constraints are compiling, or the engine loop stopped. A client that hangs up, streaming or not, has its request aborted.
+full, too many distinct constraints are compiling (or one waited 30 s for a compiler), or the engine loop
+stopped. A client that hangs up, streaming or not, has its request aborted.
 The OpenAPI schema (`/openapi.json`) documents exactly this, with the engine's limits as bounds.
 With `--api-key` (or LLM_RUNTIME_API_KEY), every `/v1` route wants it as a bearer token (401 without it,
 middleware.py). The server binds 127.0.0.1 unless told otherwise (`--host`); the README's security section says
