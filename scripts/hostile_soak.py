@@ -31,7 +31,6 @@ import asyncio
 import collections
 import json
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
