@@ -61,7 +61,7 @@ def test_a_comparison_of_runners_that_disagree_is_refused(tiny_pairs) -> None:
 @pytest.mark.slow
 def test_bench_command_end_to_end_on_the_bundled_model(bundled, tmp_path) -> None:
     """Every runner, offline and online at two rates: the table, the JSON and the plots."""
-    code = main(["bench", "--num-requests", "4", "--scale", "32", "--batch-sizes", "2,4", "--max-num-seqs", "4",
+    code = main(["bench", "--num-requests", "4", "--scale", "64", "--batch-sizes", "2,4", "--max-num-seqs", "4",
                  "--rates", "20,40", "--num-check", "2", "--no-progress", "--output-dir", str(tmp_path),
                  "--attention-backends", "auto,torch-gather", "--no-compile-model"])  # compiling: test_compiled_forward
     assert code == 0
