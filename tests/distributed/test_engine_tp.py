@@ -27,13 +27,18 @@ PROMPTS = ["The capital of France is", "Write a haiku about autumn:", "1, 2, 3, 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
 
-def _children() -> list[int]:
-    """This process's live child processes (spawned workers included)."""
-    try:
-        out = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout
-    except FileNotFoundError:
-        pytest.skip("pgrep is not installed")
-    return [int(pid) for pid in out.split()]
+def _descendants() -> list[int]:
+    """This process's live children and theirs: the workers (forked from the fork server, this process's child, on
+    the CPU; spawned by this process itself on CUDA)."""
+    found, parents = [], [os.getpid()]
+    while parents:
+        try:
+            out = subprocess.run(["pgrep", "-P", str(parents.pop())], capture_output=True, text=True).stdout
+        except FileNotFoundError:
+            pytest.skip("pgrep is not installed")
+        found += [int(pid) for pid in out.split()]
+        parents += [int(pid) for pid in out.split()]
+    return found
 
 
 def _compare(one, many) -> float:
@@ -65,7 +70,7 @@ def test_the_bundled_model_at_3_ranks_gives_one_ranks_tokens(bundled_tp1) -> Non
         engine = llm.llm_engine
         assert engine.model.config.num_heads == 3 and engine.model.config.num_kv_heads == 1  # 9 heads, 3 KV
         workers = [p.pid for p in engine.workers.processes]
-        assert len(workers) == 2 and set(workers) <= set(_children())  # ranks 1 and 2, this process's children
+        assert len(workers) == 2 and set(workers) <= set(_descendants())  # ranks 1 and 2, started here
         got = llm.generate(PROMPTS + PROMPTS[:2], params + params[:2], use_tqdm=False)
         assert engine.scheduler.num_preemptions > 0  # 10 blocks of 16 tokens for 7 requests: some were preempted
         assert engine.spec_stats is not None and engine.spec_stats.num_draft_tokens > 0

@@ -3,11 +3,13 @@ moment it has returned, and a rank that raises fails the call with its traceback
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 import torch
 
 from llm_runtime.distributed.group import TensorParallelGroup
-from llm_runtime.distributed.launch import run_on_ranks
+from llm_runtime.distributed.launch import RANK_PRELOAD, rank_context, run_on_ranks
 from llm_runtime.lessons.tensor_parallel import StepTimes  # (importing it registers it: see the last test)
 
 
@@ -54,3 +56,12 @@ def test_what_ranks_send_back_is_loaded_as_data_only() -> None:
         run_on_ranks(_an_object, 2)
     times = run_on_ranks(_step_times, 2)
     assert [t.rank for t in times] == [0, 1] and times[1].events == [("all-reduce", 0.1, 0.2)]
+
+
+def test_cpu_ranks_fork_from_a_server_with_torch_imported_and_cuda_ranks_are_spawned() -> None:
+    """A CPU rank starts as a fork of one server per process that has torch and the rank code imported (an engine
+    at 2 ranks started 4 s faster than with a fresh interpreter per rank); a CUDA rank needs a fresh interpreter."""
+    assert rank_context("cuda").get_start_method() == "spawn"
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        assert rank_context("cpu").get_start_method() == "forkserver"
+        assert "llm_runtime.distributed.workers" in RANK_PRELOAD

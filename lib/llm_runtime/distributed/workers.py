@@ -1,7 +1,8 @@
 """The engine's other ranks (lesson 17): processes that each hold a shard of the model and its KV pool, and compute
 every step rank 0 sends them.
 
-`ShardWorkers.start` spawns ranks 1 .. size - 1 (torch.multiprocessing, spawn), opens the process group as rank 0
+`ShardWorkers.start` starts ranks 1 .. size - 1 (launch.rank_context: spawned on CUDA, forked from a fork server
+with torch imported on the CPU), opens the process group as rank 0
 (the caller: the engine's process, which keeps the scheduler, the block manager and the sampler) and returns
 once every rank has joined. Each worker loads its own shard (only its slices are read from the files), waits for
 the engine's settings (`configure`: the pool's size and the attention backend, decided on rank 0 from its own
@@ -11,8 +12,8 @@ in the logits gathers, until told to stop.
 Faults: a worker that raises reports it and exits; a worker that dies breaks the group's sockets, so rank 0's next
 collective fails at once, and a hung one fails it after the group's timeout; `check` says which worker died.
 A worker whose parent process dies (even by SIGKILL) ends within half a second (launch.watch_parent), so none is
-left behind, and one whose parent is alive stays however the thread that started it ends. Spawned workers import
-the main module again: a script that starts an engine with tensor_parallel_size > 1 keeps that under
+left behind, and one whose parent is alive stays however the thread that started it ends. Workers (or the fork
+server they are forked from) import the main module again: a script that starts an engine with tensor_parallel_size > 1 keeps that under
 `if __name__ == "__main__":` (as with vLLM).
 
 Life cycle: the ranks meet at a store rank 0 opens on a port the kernel picks; the settings travel as JSON, never
@@ -35,10 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from .group import TensorParallelGroup, init_tensor_parallel, open_store
-from .launch import threads_per_rank, watch_parent
+from .launch import rank_context, threads_per_rank, watch_parent
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,7 @@ class ShardWorkers:
         if spec.device == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs (rank r on cuda:r); "
                              f"{torch.cuda.device_count()} are visible")
-        context = mp.get_context("spawn")
+        context = rank_context(spec.device)
         pipes = [context.Pipe(duplex=False) for _ in range(1, size)]  # (reading end, writing end) per worker
         errors = [reader for reader, _ in pipes]
         store = open_store(size)  # on a port the kernel picked: no other process can take it meanwhile
