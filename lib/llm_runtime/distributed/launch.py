@@ -1,10 +1,11 @@
 """Run a function on every rank of a new tensor-parallel group: one process per rank, on this host.
 
 `run_on_ranks(fn, size, *args)` starts `size` processes (`rank_context`: on CUDA spawned, a fresh interpreter, as
-CUDA requires; on the CPU forked from a fork server), joins them in one process group over loopback, calls `fn(tp, *args)` in each with its
-`TensorParallelGroup`, and returns what every rank returned, in rank order. A rank that raises fails the call with
-its traceback; one that dies or hangs fails it at `timeout_s`; no process outlives the call. The tests and lesson
-17 use it to run sharded models; `fn` must be importable (a module-level function), as spawn pickles it by name.
+CUDA requires; on the CPU forked from a fork server), joins them in one process group over loopback, calls `fn(tp,
+*args)` in each with its `TensorParallelGroup`, and returns what every rank returned, in rank order. A rank that
+raises fails the call with its traceback; one that dies or hangs fails it at `timeout_s`; no process outlives the
+call. The tests and lesson 17 use it to run sharded models; `fn` must be importable (a module-level function), as
+spawn pickles it by name.
 
 A rank sends its value back as bytes (`torch.save`, loaded with `weights_only=True`: data, never code), and tensors
 in it come back on the CPU. Put on the queue as they are, tensors would travel as shared-memory file descriptors

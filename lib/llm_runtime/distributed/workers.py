@@ -10,11 +10,11 @@ shard), then loops: receive a step (step_channel.py), copy blocks, run the forwa
 in the logits gathers, until told to stop.
 
 Faults: a worker that raises reports it and exits; a worker that dies breaks the group's sockets, so rank 0's next
-collective fails at once, and a hung one fails it after the group's timeout; `check` says which worker died.
-A worker whose parent process dies (even by SIGKILL) ends within half a second (launch.watch_parent), so none is
-left behind, and one whose parent is alive stays however the thread that started it ends. Workers (or the fork
-server they are forked from) import the main module again: a script that starts an engine with tensor_parallel_size > 1 keeps that under
-`if __name__ == "__main__":` (as with vLLM).
+collective fails at once, and a hung one fails it after the group's timeout; `check` says which worker died. A
+worker whose parent process dies (even by SIGKILL) ends within half a second (launch.watch_parent), so none is left
+behind, and one whose parent is alive stays however the thread that started it ends. Workers (or the fork server
+they are forked from) import the main module again: a script that starts an engine with tensor_parallel_size > 1
+keeps that under `if __name__ == "__main__":` (as with vLLM).
 
 Life cycle: the ranks meet at a store rank 0 opens on a port the kernel picks; the settings travel as JSON, never
 pickle (the store and the groups' sockets are unauthenticated, even on loopback); `close` stops the workers, and
