@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # On Linux, PyPI's torch wheel is a CUDA build (a CPU build where pip finds one on local disk).
-# CPU-only machines can save gigabytes with: make lessons TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# CPU-only machines can save gigabytes with: make lessons TORCH_INDEX=<the CPU wheel index from PyTorch's
+# install page> (pip as configured on the machine otherwise: no registry is named here).
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed

