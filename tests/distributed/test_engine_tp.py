@@ -308,12 +308,12 @@ def test_no_worker_outlives_a_killed_parent(tiny_checkpoints) -> None:
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         worker = int(parent.stdout.readline())
-        os.kill(parent.pid, signal.SIGKILL)
-        parent.wait(timeout=10)
+        os.kill(parent.pid, signal.SIGKILL)  # and not reaped yet: a zombie, whose pid still answers
         deadline = time.monotonic() + 10
         while _alive(worker) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _alive(worker), "the worker outlived its killed parent"
+        parent.wait(timeout=10)
     finally:
         parent.kill()
 

@@ -4,6 +4,7 @@ moment it has returned, and a rank that raises fails the call with its traceback
 from __future__ import annotations
 
 import multiprocessing
+import os
 
 import pytest
 import torch
@@ -64,4 +65,19 @@ def test_cpu_ranks_fork_from_a_server_with_torch_imported_and_cuda_ranks_are_spa
     assert rank_context("cuda").get_start_method() == "spawn"
     if "forkserver" in multiprocessing.get_all_start_methods():
         assert rank_context("cpu").get_start_method() == "forkserver"
-        assert "llm_runtime.distributed.workers" in RANK_PRELOAD
+        assert "torch" in RANK_PRELOAD and not any(name.startswith("llm_runtime") for name in RANK_PRELOAD)
+
+
+def _read_variable(tp: TensorParallelGroup, name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def test_each_rank_takes_the_callers_environment_of_the_moment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forked rank would have the fork server's environment, frozen when the first rank started; each takes the
+    caller's as it is when the rank starts, as a spawned one does."""
+    monkeypatch.setenv("LLM_RUNTIME_TEST_MARK", "first")
+    assert run_on_ranks(_read_variable, 2, "LLM_RUNTIME_TEST_MARK") == ["first", "first"]
+    monkeypatch.setenv("LLM_RUNTIME_TEST_MARK", "second")
+    assert run_on_ranks(_read_variable, 2, "LLM_RUNTIME_TEST_MARK") == ["second", "second"]
+    monkeypatch.delenv("LLM_RUNTIME_TEST_MARK")
+    assert run_on_ranks(_read_variable, 2, "LLM_RUNTIME_TEST_MARK") == [None, None]

@@ -233,7 +233,7 @@ def init_tensor_parallel(rank: int | None = None, size: int | None = None, devic
     # Under torchrun the store already runs in its agent, at MASTER_PORT: every rank joins it as a client.
     agent_store = (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" if external_store is None
                    else external_store)
-    # The rendezvous waits for ranks still starting (a spawned interpreter imports torch: seconds on a busy host),
+    # The rendezvous waits for ranks still starting (a rank starting imports torch: seconds on a busy host),
     # whatever a step's collectives may wait.
     rendezvous = max(timeout, datetime.timedelta(seconds=120))
     store = dist.TCPStore(host, port, world_size=size, is_master=rank == 0 and not agent_store, timeout=rendezvous)

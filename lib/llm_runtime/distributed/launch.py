@@ -4,8 +4,8 @@
 CUDA requires; on the CPU forked from a fork server), joins them in one process group over loopback, calls `fn(tp,
 *args)` in each with its `TensorParallelGroup`, and returns what every rank returned, in rank order. A rank that
 raises fails the call with its traceback; one that dies or hangs fails it at `timeout_s`; no process outlives the
-call. The tests and lesson 17 use it to run sharded models; `fn` must be importable (a module-level function), as
-spawn pickles it by name.
+call. The tests and lesson 17 use it to run sharded models; `fn` must be importable (a module-level function): it
+travels to the ranks pickled, by name.
 
 A rank sends its value back as bytes (`torch.save`, loaded with `weights_only=True`: data, never code), and tensors
 in it come back on the CPU. Put on the queue as they are, tensors would travel as shared-memory file descriptors
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import socket
@@ -60,59 +62,69 @@ def torch_threads(count: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-# What a rank forked from the fork server finds imported: torch and the package's rank code (3.6 s of imports on
-# the 2-core CI machine, paid once per process instead of once per rank and engine).
-RANK_PRELOAD = ("__main__", "llm_runtime.distributed.workers", "llm_runtime.engine.engine")
+# What a rank forked from the fork server finds imported: the interpreter's own torch and transformers (3 of the 3.6 s
+# a fresh rank spent importing on the 2-core CI machine). Not this package: the server takes the interpreter's default
+# `sys.path`, not the caller's, so it could find another copy; each rank imports the package from the caller's path.
+RANK_PRELOAD = ("torch", "transformers")
 
 
 def rank_context(device: str) -> Any:
     """The multiprocessing context ranks start in. CUDA: spawn, a fresh interpreter per rank (a forked CUDA
-    context is unusable). The CPU: a fork server where the platform has one, started once per process with torch
-    and this package imported (`RANK_PRELOAD`), each rank a fork of it: a rank starts in a fraction of a second
-    instead of importing torch anew (an engine at 2 ranks started 4 s faster). The server itself is a fresh,
-    single-threaded interpreter, so nothing of the caller's threads or state is forked. It takes the
-    environment and `sys.path` of the moment it starts: a variable set later does not reach later ranks."""
-    if device == "cuda" or "forkserver" not in mp.get_all_start_methods():
+    context is unusable). The CPU: a fork server where the platform has one (one per process, started with the
+    first rank, `RANK_PRELOAD` imported), each rank a fork of it: an engine at 3 ranks started in 2.6 s instead of
+    5.5. The server is a fresh interpreter that has computed nothing, so no thread or lock of the caller's is
+    forked. Its environment is the caller's when it started: each rank takes the caller's current one
+    (`rank_environment`, `adopt_environment`), except what torch read at import (OMP_*, ATEN_CPU_CAPABILITY)."""
+    if torch.device(device).type == "cuda" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(list(RANK_PRELOAD))  # read when the server starts, the first rank's start
+    context.set_forkserver_preload(list(RANK_PRELOAD))  # read once, when the server starts
     return context
 
 
+def rank_environment() -> dict[str, str]:
+    """The caller's environment, for a rank to adopt (a forked rank would otherwise have the fork server's)."""
+    return dict(os.environ)
+
+
+def adopt_environment(environment: dict[str, str]) -> None:
+    """In a rank: the environment its engine had when it started the rank (`LLM_RUNTIME_*`, caches, ...)."""
+    os.environ.clear()
+    os.environ.update(environment)
+
+
 def watch_parent(engine_pid: int, interval_s: float = 0.5) -> None:
-    """End this process (a rank) as soon as the process that started it, `engine_pid`, is gone: dead, even by
-    SIGKILL. A rank forked from the fork server (`rank_context`) is that server's child, and the server ends when
-    the engine does; a spawned rank is the engine's own child. Either way the kernel then hands the rank to
-    another parent, which a thread polls for, along with the engine itself. PR_SET_PDEATHSIG is no substitute,
-    as it fires when the spawning *thread* exits, and an engine built on a thread pool's thread would lose its
-    ranks when that thread retires."""
-    parent_pid = os.getppid()
+    """End this process (a rank) as soon as the engine's process that started it, `engine_pid`, ends, even by
+    SIGKILL, reaped or not. multiprocessing gives every child, spawned or forked from the fork server, the read
+    end of a pipe whose write end only that engine's process holds: it reads as closed the moment that process
+    is gone (`parent_process().sentinel`), which neither a reused pid nor a zombie fools. A thread waits on it.
+    A rank started some other way polls for a new parent. PR_SET_PDEATHSIG is no substitute: it fires when the
+    spawning *thread* exits, and an engine built on a thread pool's thread would lose its ranks when that thread
+    retires."""
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        if not parent.is_alive():  # the engine died before this process got here
+            os._exit(1)
 
-    def gone() -> bool:
-        if os.getppid() != parent_pid:
-            return True
-        try:
-            os.kill(engine_pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # alive, someone else's: a pid reused by another user
-            return False
-        return False
+        def watch() -> None:
+            multiprocessing.connection.wait([parent.sentinel])  # returns when the pipe closes
+            os._exit(1)
+    else:
+        if os.getppid() != engine_pid:
+            os._exit(1)
 
-    if gone():  # the engine died before this process got here
-        os._exit(1)
-
-    def watch() -> None:
-        while True:
-            time.sleep(interval_s)
-            if gone():
-                os._exit(1)
+        def watch() -> None:
+            while True:
+                time.sleep(interval_s)
+                if os.getppid() != engine_pid:
+                    os._exit(1)
 
     threading.Thread(target=watch, name="llm_runtime-parent-watch", daemon=True).start()
 
 
 def _rank_main(rank: int, size: int, port: int, device: str, fn: Callable[..., Any], args: tuple,
-               results: Any) -> None:
+               results: Any, environment: dict[str, str]) -> None:
+    adopt_environment(environment)
     from .group import init_tensor_parallel
 
     torch.set_num_threads(threads_per_rank(size))  # (this process is one rank: its thread count is its own)
@@ -137,7 +149,8 @@ def run_on_ranks(fn: Callable[..., Any], size: int, *args: Any, device: str = "c
     context = rank_context(device)
     results = context.Queue()
     store = open_store(size)  # the rendezvous, on a port the kernel picked, for as long as the ranks run
-    processes = [context.Process(target=_rank_main, args=(rank, size, store.port, device, fn, args, results),
+    processes = [context.Process(target=_rank_main, args=(rank, size, store.port, device, fn, args, results,
+                                                           rank_environment()),
                                  daemon=True) for rank in range(size)]
     for process in processes:
         process.start()

@@ -11,10 +11,10 @@ in the logits gathers, until told to stop.
 
 Faults: a worker that raises reports it and exits; a worker that dies breaks the group's sockets, so rank 0's next
 collective fails at once, and a hung one fails it after the group's timeout; `check` says which worker died. A
-worker whose parent process dies (even by SIGKILL) ends within half a second (launch.watch_parent), so none is left
-behind, and one whose parent is alive stays however the thread that started it ends. Workers (or the fork server
-they are forked from) import the main module again: a script that starts an engine with tensor_parallel_size > 1
-keeps that under `if __name__ == "__main__":` (as with vLLM).
+worker whose engine's process ends (even by SIGKILL, reaped or not) ends at once (launch.watch_parent), so none is
+left behind, and one whose engine lives stays however the thread that started it ends. Workers import the main
+module again (spawn's rule, and the fork server's children follow it): a script that starts an engine with
+tensor_parallel_size > 1 keeps that under `if __name__ == "__main__":` (as with vLLM).
 
 Life cycle: the ranks meet at a store rank 0 opens on a port the kernel picks; the settings travel as JSON, never
 pickle (the store and the groups' sockets are unauthenticated, even on loopback); `close` stops the workers, and
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from .group import TensorParallelGroup, init_tensor_parallel, open_store
-from .launch import rank_context, threads_per_rank, watch_parent
+from .launch import adopt_environment, rank_context, rank_environment, threads_per_rank, watch_parent
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,10 @@ class ShardSettings:
         return cls(**{**value, "kv_calibration": None if calibration is None else tuple(calibration)})
 
 
-def _worker_main(rank: int, size: int, port: int, spec: WorkerSpec, errors: Connection, parent_pid: int) -> None:
+def _worker_main(rank: int, size: int, port: int, spec: WorkerSpec, errors: Connection, parent_pid: int,
+                 environment: dict[str, str]) -> None:
     watch_parent(parent_pid)
+    adopt_environment(environment)  # the engine's, not the fork server's (launch.rank_context)
     torch.set_num_threads(threads_per_rank(size))  # (this process is one rank: its thread count is its own)
     try:
         device = f"cuda:{rank}" if spec.device == "cuda" else spec.device
@@ -195,7 +197,7 @@ class ShardWorkers:
 
     @classmethod
     def start(cls, spec: WorkerSpec, size: int) -> "ShardWorkers":
-        """Spawn the workers and join them in a new process group as rank 0 (blocks until all joined)."""
+        """Start the workers and join them in a new process group as rank 0 (blocks until all joined)."""
         if size < 2:
             raise ValueError(f"workers are for tensor_parallel_size >= 2, not {size}")
         if spec.device == "cuda" and torch.cuda.device_count() < size:
@@ -205,7 +207,8 @@ class ShardWorkers:
         pipes = [context.Pipe(duplex=False) for _ in range(1, size)]  # (reading end, writing end) per worker
         errors = [reader for reader, _ in pipes]
         store = open_store(size)  # on a port the kernel picked: no other process can take it meanwhile
-        processes = [context.Process(target=_worker_main, args=(rank, size, store.port, spec, writer, os.getpid()),
+        processes = [context.Process(target=_worker_main, args=(rank, size, store.port, spec, writer, os.getpid(),
+                                                                rank_environment()),
                                      daemon=True, name=f"llm_runtime-tp-rank{rank}")
                      for rank, (_, writer) in enumerate(pipes, start=1)]
         for process, (_, writer) in zip(processes, pipes):

@@ -7,8 +7,8 @@ a ring all-reduce simulated step by step, and a timed step of a sharded model on
     run_on_ranks(time_sharded_step, 3, None, "float32", 8, 20)   # per rank: a step's timeline and its costs
     run_on_ranks(all_reduce_latency, 2, (8, 576), 200)          # one all-reduce with nothing else to do
 
-`time_sharded_step` and `all_reduce_latency` run on the ranks `run_on_ranks` starts (spawned processes pickle
-them by name, so they live here, not in a notebook cell).
+`time_sharded_step` and `all_reduce_latency` run on the ranks `run_on_ranks` starts (the ranks receive
+them pickled, by name, so they live here, not in a notebook cell).
 """
 
 from __future__ import annotations
