@@ -213,6 +213,16 @@ def test_compiled_by_default_only_for_an_owned_cpu_model(tiny_pairs) -> None:
     assert not LLMEngine(float64, None, _config(num_kv_blocks=8), owns_model=True).stats().compiled_model
 
 
+def test_a_cpu_playing_a_gpu_compiles_only_when_asked(tiny_pairs, monkeypatch) -> None:
+    """Under LLM_RUNTIME_DEVICE_PROFILE the engine does by itself what the GPU would: no CPU forward compile."""
+    model = _float32(tiny_pairs, "llama2")
+    monkeypatch.setenv("LLM_RUNTIME_DEVICE_PROFILE", "h100")
+    played = LLMEngine(copy.deepcopy(model), None, _config(num_kv_blocks=8), owns_model=True)
+    assert not played.stats().compiled_model
+    asked = LLMEngine(copy.deepcopy(model), None, _config(num_kv_blocks=8, compile_model=True), owns_model=True)
+    assert asked.stats().compiled_model
+
+
 def test_compiling_is_refused_where_it_cannot_run(tiny_pairs) -> None:
     model = _float32(tiny_pairs, "llama2")
     with pytest.raises(ValueError, match="blockwise attention backend does not run inside a compiled"):

@@ -40,7 +40,7 @@ from ..kv_transfer.payload import KVLayout, KVPayload, read_blocks, write_blocks
 from ..distributed.launch import torch_threads
 from ..distributed.workers import ShardSettings, ShardWorkers, WorkerSpec, start_shard_workers
 from ..errors import EngineDeadError, InvalidRequestError, SamplingError, is_device_fault
-from ..device import resolve_device
+from ..device import device_profile, resolve_device
 from ..model import CausalLM, load_model
 from ..model.pointwise import EAGER_OPS, compiled_ops, pointwise_ops_of, set_pointwise_ops_
 from ..model.batch_invariant import batch_invariant_unsupported_reason, make_batch_invariant_
@@ -391,7 +391,9 @@ class LLMEngine:
         """Whether steps run as one compiled forward pass (compiled_forward.py): when the config says True, or
         says None and the engine owns a CPU model whose attention backend allows it; never with enforce_eager.
         With tensor_parallel_size > 1 only when it says True: every rank compiles its own graph, at once (on a
-        small CPU the ranks' compilers share its cores for minutes)."""
+        small CPU the ranks' compilers share its cores for minutes). Not by itself on a CPU playing a GPU
+        (LLM_RUNTIME_DEVICE_PROFILE): the GPU would not compile the forward pass this way, and the compile
+        costs 10-20 s an engine that the played run would spend on nothing the GPU does."""
         if self.config.batch_invariant:
             return False  # the config refuses compile_model=True with it
         wanted = self.config.compile_model
@@ -399,8 +401,8 @@ class LLMEngine:
             return False
         reason = compiled_forward_unavailable_reason(self.attention_backend, self.config.kv_cache_dtype)
         if wanted is None:
-            return (owns_model and self.model.device.type == "cpu" and reason is None and not self.config.enforce_eager
-                    and self.config.compile_pointwise is not True)
+            return (owns_model and self.model.device.type == "cpu" and not device_profile(self.model.device).is_gpu
+                    and reason is None and not self.config.enforce_eager and self.config.compile_pointwise is not True)
         if wanted and reason is not None:
             raise ValueError(f"compile_model=True, but {reason}")
         return wanted
