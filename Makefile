@@ -52,7 +52,7 @@ T4_NOTEBOOKS := $(foreach n,$(T4_LESSONS),$(wildcard notebooks/$(n)_*.ipynb))
 # The tests of what runs natively (they skip what such a CPU lacks, saying why, and the rest run on the fallbacks)
 # and lesson 19, the native step's. (Lesson 13 passes this way too, in 5.5 more minutes: left out for time.)
 NO_AVX512 := LLM_RUNTIME_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
-NO_AVX512_TESTS := tests/native tests/engine/test_native_step.py tests/model/test_quantized_kernels.py \
+NO_AVX512_TESTS := tests/native tests/worker/test_native_step.py tests/model/test_quantized_kernels.py \
 	tests/model/test_quantized_linear.py tests/attention/test_cpu_kernel.py notebooks/19_decode_at_the_limit.ipynb
 test: $(STAMP)
 	@test $(words $(H100_NOTEBOOKS)) -eq $(words $(H100_LESSONS)) -a $(words $(T4_NOTEBOOKS)) -eq $(words $(T4_LESSONS)) || \

@@ -9,14 +9,14 @@ from pathlib import Path
 import llm_runtime
 
 PACKAGE = Path(llm_runtime.__file__).parent
-FOLDERS = ("model", "attention", "sampling", "engine", "spec_decode", "serving", "bench", "lessons", "native",
-           "distributed", "kv_transfer")
+FOLDERS = ("model", "attention", "sampling", "core", "engine", "executor", "worker", "spec_decode", "serving", "bench",
+           "lessons", "native", "distributed", "kv_transfer", "structured_output")
 
 
 def test_the_folders_of_the_target_layout() -> None:
     assert all((PACKAGE / folder / "__init__.py").exists() for folder in FOLDERS)
     loose = sorted(p.name for p in PACKAGE.glob("*.py"))
-    assert loose == ["__init__.py", "__main__.py", "config.py", "device.py", "errors.py"]
+    assert loose == ["__init__.py", "__main__.py", "cache_dir.py", "config.py", "device.py", "errors.py"]
 
 
 def test_every_public_name_comes_from_the_top() -> None:
@@ -29,7 +29,7 @@ def test_every_public_name_comes_from_the_top() -> None:
 
 
 def test_the_serving_core_does_not_depend_on_lesson_helpers() -> None:
-    for folder in ("model", "attention", "sampling", "engine", "serving", "distributed"):
+    for folder in ("model", "attention", "sampling", "core", "engine", "executor", "worker", "serving", "distributed"):
         for path in (PACKAGE / folder).glob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ImportFrom):

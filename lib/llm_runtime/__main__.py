@@ -101,8 +101,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="serve the routes that change the server's state for a measurement (POST "
                           "/reset_prefix_cache), as vLLM's development mode does; never on a shared address")
     srv.add_argument("--check-invariants", action="store_true", help="check the scheduler's books every step")
+    srv.add_argument("--verbose", action="store_true",
+                     help="print the engine's plan: how it set the model up on this device, choice by choice, and why")
     srv.add_argument("--shape-cache-capacity", type=int, default=SERVE_SHAPE_CACHE_CAPACITY,
-                     help="shapes oneDNN and ideep keep compiled primitives for, each (engine/host_memory.py)")
+                     help="shapes oneDNN and ideep keep compiled primitives for, each (worker/host_memory.py)")
     rtr = commands.add_parser("router", help="an OpenAI-compatible router in front of several servers (lesson 18)")
     rtr.add_argument("--prefill", action="extend", nargs="+", default=[], metavar="URL",
                      help="prefill servers (with --kv-transfer-config kv_producer); with --decode")
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.command == "serve":
-        from .engine.host_memory import bound_shape_caches
+        from .worker.host_memory import bound_shape_caches
 
         # Before anything runs oneDNN: a server's step sizes never stop changing (host_memory.py).
         bound_shape_caches(os.environ, args.shape_cache_capacity)
@@ -182,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             executor.shutdown()
             print(f"error: {error}", file=sys.stderr)
             return 2
+        if args.verbose:
+            print(engine.stats().plan, file=sys.stderr)
         name = args.served_model_name or (str(args.model).rstrip("/").split("/")[-1] if args.model
                                           else BUNDLED_MODEL_NAME)
         serve(engine, name, args.host, args.port, args.max_waiting_requests, args.max_request_bytes, executor,

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
+
 # model_type in config.json -> the feature switches our one decoder needs for it.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -35,6 +37,27 @@ class RopeConfig:
             )
         if not (self.theta > 0 and self.factor > 0):
             raise ValueError(f"rope theta and factor must be > 0, got {self.theta} and {self.factor}")
+
+    def inverse_frequencies(self, head_dim: int) -> torch.Tensor:
+        """theta^(-2i/d) for i < d/2, scaled by this config's rule (the rotary embedding's angles a position,
+        per pair of channels: model/rope.py). Shape (head_dim // 2,), float32."""
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / (self.theta**exponents)
+        if self.rope_type == "linear":
+            return inv_freq / self.factor
+        if self.rope_type == "llama3":
+            # Long wavelengths (low frequencies) are stretched by `factor`, short ones kept,
+            # and the band between is interpolated smoothly.
+            old_len = self.original_max_position_embeddings
+            low_freq_wavelen = old_len / self.low_freq_factor
+            high_freq_wavelen = old_len / self.high_freq_factor
+            wavelen = 2 * math.pi / inv_freq
+            scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / self.factor, inv_freq)
+            smooth = (old_len / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+            return torch.where(is_medium, smoothed, scaled)
+        return inv_freq
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "RopeConfig":
@@ -224,7 +247,7 @@ class EngineConfig:
     `num_kv_blocks` if given; else `kv_cache_memory` bytes; else the device's memory times
     `gpu_memory_utilization`, minus what the process already holds (on CUDA profiled, on the CPU
     counted against an emulated device of `cpu_device_memory` bytes), and never more than
-    `max_num_seqs` full-length sequences can use (`engine/kv_budget.py`).
+    `max_num_seqs` full-length sequences can use (`worker/kv_budget.py`).
     """
 
     max_num_seqs: int = 32  # sequences running at once (decode batch size)
@@ -253,15 +276,15 @@ class EngineConfig:
     # None: where it wins, on CUDA, if the engine owns the model. enforce_eager=True never compiles.
     compile_pointwise: bool | None = None
     # The whole forward pass and the logits as one torch.compile graph, for the steps whose attention runs inside
-    # it (engine/compiled_forward.py; the cpu backend over a full-precision pool). None: on the CPU, if the engine
+    # it (worker/compiled_forward.py; the cpu backend over a full-precision pool). None: on the CPU, if the engine
     # owns the model (LLM(...), serve, bench). The engine compiles when it is built; enforce_eager=True never does.
     compile_model: bool | None = None
-    # Decode-only steps replayed from CUDA graphs captured per batch-size bucket (engine/cuda_graphs.py).
+    # Decode-only steps replayed from CUDA graphs captured per batch-size bucket (worker/cuda_graphs.py).
     # None: on CUDA, where the attention backend can be captured, unless enforce_eager.
     cuda_graphs: bool | None = None
     enforce_eager: bool = False  # as vLLM's: no torch.compile, no CUDA graphs; every step runs eagerly
     # Steps of a few tokens (decodes, drafts verified, short chunks) as one native call, every layer inside one
-    # OpenMP parallel region (engine/native_step.py, lesson 19): CPU models in bfloat16 with int4 layers (the GGUF's
+    # OpenMP parallel region (worker/native_step.py, lesson 19): CPU models in bfloat16 with int4 layers (the GGUF's
     # own, quantization "gguf" or "int4"), and dense float32 and bfloat16 ones (whose linears the engine then leaves
     # unpacked unless prepack_weights=True). None: wherever it applies, unless enforce_eager.
     native_step: bool | None = None

@@ -7,7 +7,7 @@ import torch
 
 from llm_runtime import SamplingParams, generate
 from llm_runtime.attention import causal_attention, paged_attention, paged_decode_attention
-from llm_runtime.engine.block_manager import BlockManager
+from llm_runtime.core.block_manager import BlockManager
 from llm_runtime.attention.kv_cache import PagedKVCache
 from llm_runtime.attention.torch_gather import PagedKVBatch
 

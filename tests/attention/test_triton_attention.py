@@ -233,7 +233,7 @@ def test_every_launch_is_under_the_device_guard_of_its_tensors(monkeypatch: pyte
         finally:
             guards.pop()
 
-    monkeypatch.setattr(triton_kernels, "_on_device", recording_guard, raising=False)
+    monkeypatch.setattr(triton_kernels, "on_device", recording_guard, raising=False)
     for name in ("store_kv_kernel", "unified_attention_kernel", "split_kv_decode_kernel", "split_kv_reduce_kernel"):
         monkeypatch.setattr(triton_kernels, name, _RecordingKernel(getattr(triton_kernels, name), name, guards,
                                                                    launches))
@@ -249,14 +249,14 @@ def test_every_launch_is_under_the_device_guard_of_its_tensors(monkeypatch: pyte
 
 
 def test_the_guard_is_the_tensors_cuda_device_and_none_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from llm_runtime.attention import triton_kernels
+    from llm_runtime.attention import triton_launch
 
     entered: list[torch.device] = []
     monkeypatch.setattr(torch.cuda, "device", lambda device: entered.append(device) or contextlib.nullcontext())
-    with triton_kernels._on_device(SimpleNamespace(device=torch.device("cuda", 1))):
+    with triton_launch.on_device(SimpleNamespace(device=torch.device("cuda", 1))):
         pass
     assert entered == [torch.device("cuda", 1)]
-    with triton_kernels._on_device(torch.zeros(1)):  # the interpreter: no CUDA device to switch to
+    with triton_launch.on_device(torch.zeros(1)):  # the interpreter: no CUDA device to switch to
         pass
     assert entered == [torch.device("cuda", 1)]
 

@@ -1,4 +1,4 @@
-"""The engine at tensor_parallel_size > 1 (distributed/workers.py, lesson 17), on gloo ranks on the CPU, in float32:
+"""The engine at tensor_parallel_size > 1 (executor/rank_processes.py, lesson 17), on gloo ranks on the CPU, in float32:
 the same greedy tokens as one rank and logprobs within 1e-4, with chunked prefill, prefix caching, preemption,
 n-gram speculation and prompt logprobs on; the bundled model at 3 ranks, tiny models of every family at 2 (one
 with a single KV head, replicated); the compiled forward pass, a draft model and 8-bit KV pools at 2 ranks. Refusals, and faults: a worker killed mid-run makes the engine dead within
@@ -205,7 +205,7 @@ def test_a_request_that_fails_in_sampling_fails_alone_at_2_ranks(tiny_checkpoint
     """A failure after the forward pass (a grammar's mask, the sampler: a SamplingError) leaves every rank done with
     the step's collectives: the step runs again one request at a time, the faulty request alone fails, and the
     engine and its workers serve on (a failure inside the forward pass still ends a sharded engine)."""
-    from llm_runtime.engine import model_runner
+    from llm_runtime.worker import model_runner
 
     sample = model_runner.sample_sequences
 

@@ -18,7 +18,7 @@ from llm_runtime.attention import available_backends, select_backend
 from llm_runtime.config import ATTENTION_BACKEND_ENV
 
 from test_engine import make_workload, run_engine
-from test_kv_memory import BLOCK_SIZE, assert_no_leak, blocks_unconstrained, expected_alone, run_all, \
+from workloads import BLOCK_SIZE, assert_no_leak, blocks_unconstrained, expected_alone, run_all, \
     shared_prefix_workload
 
 CPU_BACKENDS = [name for name, reason in available_backends("cpu", torch.float64).items() if reason is None]

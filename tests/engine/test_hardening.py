@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from llm_runtime import EngineConfig, InvalidRequestError, LLMEngine, Sampler, SamplingParams, generate
-from llm_runtime.engine import block_manager as block_manager_module
-from llm_runtime.engine import prefix_cache as prefix_cache_module
+from llm_runtime.core import block_manager as block_manager_module
+from llm_runtime.core import prefix_cache as prefix_cache_module
 
 def poisoned(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, poison: int) -> None:
     """Make `model.forward` raise whenever its batch holds the token `poison` (a bug only one request hits)."""
@@ -163,7 +163,7 @@ def test_a_retried_step_draws_the_same_seeded_noise(tiny_pairs, monkeypatch) -> 
         for i, prompt in enumerate(batch):
             engine.add_request(str(i), prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=8, ignore_eos=True))
         finals = drain(engine)
-        assert engine.num_failed_requests == 0
+        assert engine.stats().num_failed_requests == 0
         return [finals[str(i)].outputs[0].token_ids for i in range(len(batch))]
 
     expected = run()

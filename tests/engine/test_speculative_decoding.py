@@ -19,23 +19,8 @@ import torch
 
 from llm_runtime import EngineConfig, LLMEngine, SamplingParams
 
-from test_kv_memory import BLOCK_SIZE, assert_no_leak, blocks_unconstrained, run_all, shared_prefix_workload
-
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
-
-
-def repetitive_workload(vocab_size: int, num_requests: int = 24, seed: int = 5):
-    """Prompts that repeat a phrase (prompt lookup has something to find), a shared prefix, n > 1 for some."""
-    rng = random.Random(seed)
-    system = [rng.randrange(3, vocab_size) for _ in range(40)]
-    workload = []
-    for i in range(num_requests):
-        phrase = [rng.randrange(3, vocab_size) for _ in range(rng.randint(2, 6))]
-        prompt = (system if i % 2 == 0 else []) + phrase * rng.randint(2, 5) + phrase[: rng.randint(0, 2)]
-        n = 2 if i % 6 == 5 else 1
-        workload.append((prompt, SamplingParams(n=n, temperature=0, max_tokens=rng.randint(2, 40), ignore_eos=True)))
-    return workload
-
+from workloads import (BLOCK_SIZE, NGRAM, assert_no_leak, blocks_unconstrained, repetitive_workload, run_all,
+                       shared_prefix_workload)
 
 def _pressed(workload, **options) -> EngineConfig:
     """A pool small enough for preemption, prefix caching on, small steps (chunked prefill)."""
@@ -372,7 +357,7 @@ def test_the_draft_models_pool_is_inside_the_kv_budget(tiny_pairs) -> None:
     """Both pools come out of kv_cache_memory (the same number of blocks each), the CPU device's ledger counts the
     draft's pool and weights, and 16 requests that outgrow it take nothing more: the draft's memory is its pool
     (before, each sequence got a cache of its whole length, outside the budget)."""
-    from llm_runtime.engine.kv_budget import CPU_DEVICE, tensor_bytes
+    from llm_runtime.worker.kv_budget import CPU_DEVICE, tensor_bytes
 
     model, draft = tiny_pairs["llama3"][0], copy.deepcopy(tiny_pairs["llama2"][0])
     budget = 1 << 20
@@ -417,7 +402,7 @@ def test_a_failing_proposal_leaves_its_sequence_unspeculated(tiny_pairs, monkeyp
     while engine.has_unfinished_requests():
         for output in engine.step():
             finals[output.request_id] = output
-        unspeculated = [seq.request_id for seq in engine._unspeculated]
+        unspeculated = [seq.request_id for seq in engine.engine_core._unspeculated]
         assert unspeculated in ([], ["1"]) and all(seq.request_id != "1" for seq in engine.proposer.block_manager.block_tables)
     expected = _finals(LLMEngine(model, None, EngineConfig(num_kv_blocks=64)), requests)
     for key in ("0", "1", "2"):

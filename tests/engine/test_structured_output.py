@@ -25,7 +25,7 @@ from llm_runtime.sampling import StructuredOutputsParams as Structured
 from llm_runtime.structured_output import GrammarState, allocate_bitmask, unpack_bitmask
 
 from structured_cases import CONSTRAINTS, finished_valid
-from test_kv_memory import assert_no_leak
+from workloads import assert_no_leak
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")

@@ -1,4 +1,4 @@
-"""A consumer's agent (kv_transfer/agent.py) behind a running loop (serving/async_engine.py), over a tiny
+"""A consumer's agent (serving/kv_agent.py) behind a running loop (serving/async_engine.py), over a tiny
 random-weight model (milliseconds a step): payloads that pass the wire's checks but not the engine's (token ids
 past the vocabulary, another layout) are refused alone and the loop serves on; an idle consumer takes blocks in
 and lets unclaimed ones go at the timeout though no step runs; a busy consumer refuses arriving blocks instead of
@@ -14,7 +14,7 @@ import pytest
 
 from llm_runtime import EngineConfig, LLMEngine, SamplingParams
 from llm_runtime.errors import EngineBusyError
-from llm_runtime.kv_transfer.agent import KVTransferAgent
+from llm_runtime.serving.kv_agent import KVTransferAgent
 from llm_runtime.kv_transfer.config import KVTransferConfig
 from llm_runtime.kv_transfer.payload import KVPayload
 from llm_runtime.kv_transfer.zmq_connector import KVSender
@@ -223,7 +223,7 @@ def test_a_request_that_fails_to_join_lets_its_claimed_blocks_go(tiny_chat_model
 def test_the_tables_of_refused_and_unwanted_transfers_are_bounded(monkeypatch) -> None:
     from collections import OrderedDict
 
-    from llm_runtime.kv_transfer import agent as agent_module
+    from llm_runtime.serving import kv_agent as agent_module
 
     monkeypatch.setattr(agent_module, "MAX_REMEMBERED", 8)
     table: OrderedDict[str, float] = OrderedDict()

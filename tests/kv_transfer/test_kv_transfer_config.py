@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llm_runtime.kv_transfer.agent import TransferParams
+from llm_runtime.serving.kv_agent import TransferParams
 from llm_runtime.kv_transfer.config import KVTransferConfig
 
 

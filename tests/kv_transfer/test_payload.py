@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llm_runtime import LLM, SamplingParams
-from llm_runtime.engine.block_manager import BlockManager
+from llm_runtime.core.block_manager import BlockManager
 from llm_runtime.kv_transfer.payload import KVPayload
 from llm_runtime.lessons.disaggregation import shipped_kv_bytes
 from llm_runtime.model.loader import load_model_weights

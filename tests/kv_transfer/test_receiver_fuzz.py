@@ -17,7 +17,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 from llm_runtime import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from llm_runtime.kv_transfer.agent import KVTransferAgent, TransferParams  # noqa: E402
+from llm_runtime.serving.kv_agent import KVTransferAgent, TransferParams  # noqa: E402
 from llm_runtime.kv_transfer.config import KVTransferConfig  # noqa: E402
 from llm_runtime.kv_transfer.zmq_connector import KVSender  # noqa: E402
 

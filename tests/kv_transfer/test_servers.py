@@ -1,4 +1,4 @@
-"""A prefill server and a decode server (kv_transfer/agent.py, serving/, lesson 18), over the bundled model on
+"""A prefill server and a decode server (serving/kv_agent.py, serving/, lesson 18), over the bundled model on
 loopback: the producer computes a prompt and ships its blocks over ZeroMQ, the consumer takes them in and decodes
 the same greedy text as one server alone, computing only the prompt's tail; /metrics counts what moved. Requests
 whose kv_transfer_params this server's role cannot serve are refused; a decode request whose blocks never come

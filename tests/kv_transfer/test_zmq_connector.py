@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from llm_runtime.kv_transfer import zmq_connector
-from llm_runtime.kv_transfer.agent import Durations
+from llm_runtime.serving.kv_agent import Durations
 from llm_runtime.kv_transfer.payload import KVLayout, KVPayload
 from llm_runtime.kv_transfer.zmq_connector import KVReceiver, KVSender
 from llm_runtime.distributed.launch import free_port

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llm_runtime import LLM, EngineConfig, LLMEngine, SamplingParams
-from llm_runtime.engine.kv_budget import tensor_bytes
+from llm_runtime.worker.kv_budget import tensor_bytes
 from llm_runtime.model.packed_linear import FusedPackedLinear, PackedLinear, is_packed, pack_linears_, packing_unsupported_reason
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch without oneDNN")
@@ -78,7 +78,7 @@ def test_the_engine_packs_only_a_model_it_owns_or_is_asked_to(float_model) -> No
 
 
 def test_an_engine_that_loaded_its_model_packs_it(float_model) -> None:
-    """Unless its native step runs the dense layers, which reads them plain (engine/native_step.py)."""
+    """Unless its native step runs the dense layers, which reads them plain (worker/native_step.py)."""
     owned = copy.deepcopy(float_model)
     engine = LLMEngine(owned, None, EngineConfig(num_kv_blocks=8, native_step=False), owns_model=True)
     assert engine.stats().prepacked_weights and is_packed(owned)
@@ -118,7 +118,7 @@ def test_the_operator_for_compiled_graphs_is_the_packed_product() -> None:
     """`packed_linear`, oneDNN's product over a packed weight as one operator of this package (inductor lowers
     oneDNN's own only over weights it froze itself), gives the layer's output. (PyTorch's operator checks
     read the weight's storage, which an opaque oneDNN tensor does not have: the compiled engine over packed
-    layers is tested in tests/engine/test_compiled_forward.py.)"""
+    layers is tested in tests/worker/test_compiled_forward.py.)"""
     from llm_runtime.model.packed_linear import packed_linear
 
     packed = PackedLinear(torch.nn.Linear(64, 48))

@@ -17,7 +17,7 @@ from llm_runtime.model.gguf import (Q8_0_BLOCK_BYTES, dequantize_q4_1, gguf_line
                                    read_gguf_tensors)
 from llm_runtime.model.bundled import find_bundled_gguf
 from llm_runtime.model.quantized_embedding import SMALL_M, Q8Embedding, Q8Head, Q8Table
-from llm_runtime.engine.kv_budget import tensor_bytes
+from llm_runtime.worker.kv_budget import tensor_bytes
 from llm_runtime.model.quantized_linear import (Int4Linear, Int8GroupLinear, Int8Linear, dequantize_int4,
                                                 dequantize_int8, dequantize_int8_groups, is_quantized, quantize_int4,
                                                 quantize_int8, quantize_int8_groups, quantize_linears_)

@@ -11,8 +11,9 @@ import torch
 from llm_runtime.attention import cpu_kernels
 from llm_runtime.model.quantized_linear import Int4Linear, int4_product
 from llm_runtime.native import KernelUnavailable, build_torch_library, cpp_operators
+from llm_runtime.worker.compiled_forward import load_cpp_operators
 
-pytestmark = pytest.mark.skipif(cpp_operators.load_cpp_operators() is not None,
+pytestmark = pytest.mark.skipif(load_cpp_operators() is not None,
                                 reason="the C++ operators do not build here")
 
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from llm_runtime import EngineConfig, LLMEngine, SamplingParams
-from llm_runtime.serving import protocol
+from llm_runtime.serving import event_protocol
 from llm_runtime.serving.engine_events import BLOCK_STATES, EngineFeed
 from llm_runtime.serving.server import create_app
 from servers import running
@@ -60,10 +60,10 @@ def test_every_event_fits_the_schema_and_adds_up_to_what_the_engine_did(tiny_cha
     events = _events(subscription)
 
     hello, states = events[0], events[1:]
-    protocol.EngineEvent.model_validate({"event": hello})
+    event_protocol.EngineEvent.model_validate({"event": hello})
     assert hello["type"] == "hello" and hello["num_blocks"] == 12 and hello["block_states"] == BLOCK_STATES
     for event in states:
-        protocol.EngineEvent.model_validate({"event": event})
+        event_protocol.EngineEvent.model_validate({"event": event})
         json.dumps(event)  # what the server sends
         assert len(event["kv"]["states"]) == 12
     assert [e["event"] for e in states] == list(range(len(states)))
@@ -211,7 +211,7 @@ def test_the_endpoint_streams_a_hello_then_states_while_requests_run_and_end(tin
                 events.append(next_event())
         assert events[0]["type"] == "hello" and events[0]["model"] == "tiny"
         for event in events:
-            protocol.EngineEvent.model_validate({"event": event})
+            event_protocol.EngineEvent.model_validate({"event": event})
         assert any(s["index"] == 1 for e in events[1:] for s in e["running"]), "both completions of n = 2 show"
         finished = [f for e in events[1:] for f in e["finished"]]
         assert [f["reason"] for f in finished] == ["length", "length", "abort"]

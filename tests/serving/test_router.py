@@ -17,7 +17,8 @@ import uvicorn
 from llm_runtime import EngineConfig, LLMEngine
 from llm_runtime.kv_transfer.config import KVTransferConfig
 from llm_runtime.lessons.disaggregation import ServerProcess
-from llm_runtime.serving.router import Backend, Pool, chunk_hashes, create_router
+from llm_runtime.serving.router import create_router
+from llm_runtime.serving.router_policy import Backend, Pool, chunk_hashes
 from llm_runtime.serving.server import create_app
 from servers import MODEL_NAME, TEST_KV_MEMORY, free_port, running, wait_idle
 

@@ -186,7 +186,8 @@ def test_a_requests_legs_are_bounded_and_its_fields_checked_before_any_leg() -> 
 
 
 def test_a_decode_address_only_its_own_machine_reaches_is_not_used() -> None:
-    from llm_runtime.serving.router import Backend, Router
+    from llm_runtime.serving.router import Router
+    from llm_runtime.serving.router_policy import Backend
 
     remote, local = Backend("http://10.0.0.3:8200", "decode"), Backend("http://127.0.0.1:8200", "decode")
     assert Router._kv_address(remote, {"kv_ip": "0.0.0.0", "kv_port": 5}) == ("10.0.0.3", 5)

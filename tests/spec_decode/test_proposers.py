@@ -9,7 +9,7 @@ import copy
 import torch
 
 from llm_runtime import SamplingParams, generate
-from llm_runtime.engine.sequence import Sequence
+from llm_runtime.core.sequence import Sequence
 from llm_runtime.spec_decode import DraftModelProposer, NgramProposer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

@@ -30,7 +30,7 @@ class AttentionBackend(ABC):
     what the pool holds anywhere else."""
 
     name: ClassVar[str]
-    # True when a decode step can be captured in a CUDA graph (engine/cuda_graphs.py): `plan` decides
+    # True when a decode step can be captured in a CUDA graph (worker/cuda_graphs.py): `plan` decides
     # everything from the host-side shapes it is given (the graph keeps that decision), `store_kv` and
     # `forward` launch kernels that read the device tensors only, with no host synchronization, and a
     # padded row (slot -1, one key) writes nowhere.
@@ -123,7 +123,7 @@ class AttentionBackend(ABC):
 
 
     def compiled_inputs(self, plan: Any, num_blocks: int) -> tuple[torch.Tensor, ...] | None:
-        """Where this step's attention can run inside a torch.compile graph (engine/compiled_forward.py): the
+        """Where this step's attention can run inside a torch.compile graph (worker/compiled_forward.py): the
         tensors of the plan that `attend_compiled` reads in every layer, checked against pools of `num_blocks`
         blocks. None where the step must run eagerly (the default: a backend that decides on the host)."""
         return None

@@ -10,7 +10,7 @@ library is built on first use and cached (`native/build.py`), and loaded with ct
 passed as raw pointers, so the wrapper checks every dtype, layout and shape the C code assumes.
 
 `cpu_paged_attention` is both calls as one PyTorch operator, a layer's whole attention, for the engine's
-compiled forward pass (engine/compiled_forward.py): the tracer cannot see into a ctypes call, but it keeps
+compiled forward pass (worker/compiled_forward.py): the tracer cannot see into a ctypes call, but it keeps
 an operator as one node of its graph.
 
 Without a working C compiler (or on a platform where none of the flag sets below builds),

@@ -96,7 +96,7 @@ class KeyTurns:
     """The rotary embedding's turns, undone before an int8 pool stores a key and redone when it is read.
 
     The model turns each pair of a key's channels (i, i + d/2) by the angle position * inv_freq[i]
-    (model/rope.py). `turn` does the same to keys at given positions, or undoes it (`back`), in
+    (model/rope.py; the frequencies: config.py's RopeConfig). `turn` does the same to keys at given positions, or undoes it (`back`), in
     float32; `tables` are the cosines and sines of every position up to a length, for the C kernel,
     computed once and grown when a longer sequence comes.
     """
@@ -108,9 +108,7 @@ class KeyTurns:
     @classmethod
     def of(cls, rope: RopeConfig, head_dim: int, device: torch.device | str = "cpu") -> "KeyTurns":
         """The turns of a model with this rotary embedding and head size."""
-        from ..model.rope import inverse_frequencies  # imported here: the model package imports this one
-
-        return cls(inverse_frequencies(rope, head_dim).to(device))
+        return cls(rope.inverse_frequencies(head_dim).to(device))
 
     def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (...) -> cos, sin (..., d/2) float32: as the model's RotaryEmbedding computes them."""

@@ -28,57 +28,19 @@ mismatched dtypes runs in NumPy), so the tests compile the kernels for real GPU 
 A Triton launch goes to the current CUDA device (and its current stream), whatever device its tensors
 are on: an engine on cuda:1 while cuda:0 is current would run its kernels on cuda:0, over addresses of
 the other GPU. So each wrapper checks that its tensors share one device and launches under that device's
-guard (`_on_device`), as PyTorch's own operators do.
+guard (`triton_launch.on_device`), as PyTorch's own operators do.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import triton
 import triton.language as tl
 
+from .triton_launch import check_attention_inputs, check_devices, dot_settings, on_device
+
 # Keys per inner-loop step (a tile may span several pool blocks, or part of one).
 DEFAULT_BLOCK_N = 32
-
-
-def _on_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
-    """The guard that makes `tensor`'s GPU current for a launch; none on the CPU (the interpreter)."""
-    if tensor.device.type == "cuda":
-        return torch.cuda.device(tensor.device)
-    return contextlib.nullcontext()
-
-
-def _check_devices(**tensors: torch.Tensor) -> None:
-    """ValueError unless every tensor is on the first one's device (a kernel reads them all from one GPU)."""
-    (first_name, first), *rest = tensors.items()
-    for name, tensor in rest:
-        if tensor.device != first.device:
-            raise ValueError(f"{name} is on {tensor.device}, {first_name} on {first.device}: the kernel reads "
-                             f"every tensor on one device")
-
-
-def _check_attention_inputs(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
-                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> None:
-    """What a kernel cannot check for itself and costs nothing to check here: one device, and index tensors of
-    the shapes the kernels walk, in an integer dtype (each is loaded as its own dtype, int32 or int64). The
-    indices' values are not read: that would wait for the GPU, and a captured CUDA graph replays without this."""
-    _check_devices(query=query, key_pool=key_pool, value_pool=value_pool, block_tables=block_tables,
-                   seq_lens=seq_lens, query_start_loc=query_start_loc)
-    for name, tensor in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
-        if tensor.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{name} must be int32 or int64, got {tensor.dtype}")
-    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
-    if (query.dim() != 3 or key_pool.dim() != 4 or value_pool.shape != key_pool.shape
-            or key_pool.shape[3] != query.shape[2] or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs
-            or query_start_loc.shape != (num_seqs + 1,)):
-        raise ValueError(f"shapes disagree: query {tuple(query.shape)} (N, H, d), pools {tuple(key_pool.shape)} / "
-                         f"{tuple(value_pool.shape)} (blocks, block_size, KV, d), block_tables "
-                         f"{tuple(block_tables.shape)} (B, max_blocks), seq_lens {tuple(seq_lens.shape)} (B,), "
-                         f"query_start_loc {tuple(query_start_loc.shape)} (B + 1,)")
-    if key_pool.shape[2] < 1 or query.shape[1] % key_pool.shape[2]:
-        raise ValueError(f"{query.shape[1]} query heads do not share {key_pool.shape[2]} KV heads evenly")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,8 +92,8 @@ def store_kv(
         return
     if key_pool.stride() != value_pool.stride():
         raise ValueError("key_pool and value_pool must have the same strides")
-    _check_devices(key=key, value=value, key_pool=key_pool, value_pool=value_pool, slot_mapping=slot_mapping)
-    with _on_device(key):
+    check_devices(key=key, value=value, key_pool=key_pool, value_pool=value_pool, slot_mapping=slot_mapping)
+    with on_device(key):
         store_kv_kernel[(num_tokens,)](
             key, value, key_pool, value_pool, slot_mapping,
             *key.stride(), *value.stride(), *key_pool.stride(),
@@ -277,15 +239,6 @@ def unified_attention_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _dot_settings(query: torch.Tensor) -> dict:
-    """The two dtype-dependent constexprs: float32 tiles on the CPU interpreter, exact float32 dots."""
-    return {
-        # A CPU tensor reaching a Triton kernel means the interpreter is running it (NumPy: no bf16).
-        "COMPUTE_FP32": not query.is_cuda,
-        "DOT_PRECISION": "ieee" if query.dtype == torch.float32 else "tf32",
-    }
-
-
 def unified_attention(
     query: torch.Tensor,
     key_pool: torch.Tensor,
@@ -301,7 +254,7 @@ def unified_attention(
 ) -> torch.Tensor:
     """Paged causal attention for a ragged batch, query (N, H, d) -> (N, H, d), in one launch. `block_m`: rows
     per program, fixed (rounded up to a whole GQA group); None chooses it from `max_query_len`."""
-    _check_attention_inputs(query, key_pool, value_pool, block_tables, seq_lens, query_start_loc)
+    check_attention_inputs(query, key_pool, value_pool, block_tables, seq_lens, query_start_loc)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_pool.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -319,13 +272,13 @@ def unified_attention(
     block_q = block_m // per_kv  # query tokens per program
     # An upper bound on the tiles the batch needs (see _find_sequence); spare programs return at once.
     num_q_tiles = num_tokens // block_q + num_seqs
-    with _on_device(query):
+    with on_device(query):
         unified_attention_kernel[(num_q_tiles, num_kv_heads)](
             out, query, key_pool, value_pool, block_tables, seq_lens, query_start_loc, scale, num_seqs,
             *query.stride(), *out.stride(), *key_pool.stride(), block_tables.stride(0),
             BLOCK_SIZE=key_pool.shape[1], NUM_QUERIES_PER_KV=per_kv, BLOCK_Q=block_q, BLOCK_M=block_m,
             BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-            **_dot_settings(query),
+            **dot_settings(query),
         )
     return out
 
@@ -461,7 +414,7 @@ def split_kv_decode_attention(
 ) -> torch.Tensor:
     """Decode attention (one query per sequence) with each sequence's keys split into `num_splits`
     partitions of `partition_size` keys: query (N, H, d) -> (N, H, d), in two launches."""
-    _check_attention_inputs(query, key_pool, value_pool, block_tables, seq_lens, query_start_loc)
+    check_attention_inputs(query, key_pool, value_pool, block_tables, seq_lens, query_start_loc)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_pool.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -479,13 +432,13 @@ def split_kv_decode_attention(
     sums = torch.empty_like(maxes)
     accs = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    with _on_device(query):
+    with on_device(query):
         split_kv_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
             maxes, sums, accs, query, key_pool, value_pool, block_tables, seq_lens, query_start_loc, scale,
             *query.stride(), *key_pool.stride(), block_tables.stride(0),
             NUM_SPLITS=num_splits, PARTITION_SIZE=partition_size, BLOCK_SIZE=key_pool.shape[1],
             NUM_QUERIES_PER_KV=per_kv, BLOCK_M=max(16, triton.next_power_of_2(per_kv)), BLOCK_N=block_n,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, **_dot_settings(query),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, **dot_settings(query),
         )
         split_kv_reduce_kernel[(num_seqs, num_heads)](
             out, maxes, sums, accs, seq_lens, query_start_loc, *out.stride(),

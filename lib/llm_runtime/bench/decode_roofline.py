@@ -11,7 +11,7 @@ roofline / step says how much of the step is the unavoidable part.
 Modes are engine settings: "eager" (enforce_eager), "compiled" (on the CPU the whole forward pass as one
 torch.compile graph, `compile_model`; on CUDA the pointwise parts compiled, no graphs), "graphs"
 (compiled, and decode steps replayed from CUDA graphs; CUDA only) and "native" (the step as one native call,
-engine/native_step.py; the CPU only).
+worker/native_step.py; the CPU only).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..engine import LLM, LLMEngine
-from ..engine.native_step import native_step_unavailable_reason
+from ..worker.native_step import native_step_unavailable_reason
 from ..model import CausalLM
 from ..model.packed_linear import packing_unsupported_reason
 from ..sampling import SamplingParams

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from ..model.bundled import default_cache_dir
+from ..cache_dir import default_cache_dir
 
 
 def linear_parameters(config: ModelConfig) -> int:

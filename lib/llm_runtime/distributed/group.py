@@ -7,7 +7,7 @@ Both go through torch.distributed: gloo between CPU processes, NCCL between GPUs
 moves, so lesson 17 can set them against the arithmetic (2 all-reduces per layer x hidden size x bytes per token).
 
 Both collectives are PyTorch operators (`llm_runtime::tp_all_reduce_`, `llm_runtime::tp_gather_to_first`), so a
-compiled forward pass (engine/compiled_forward.py) keeps each as one node of its graph, which calls back into
+compiled forward pass (worker/compiled_forward.py) keeps each as one node of its graph, which calls back into
 the group when it runs; an operator names its group by the group's `handle`, an integer, since an operator takes
 no Python objects. The handles are looked up in `_LIVE_GROUPS`, this module's one piece of process-wide state
 (torch.distributed keeps the same kind of registry for its own groups), which holds the groups only weakly.

@@ -10,7 +10,7 @@ import torch
 from ..model import CausalLM
 from ..sampling import Sampler, SamplingParams
 from .input_processor import max_new_tokens, validate_prompt, validate_stop_token_ids
-from .sequence import Sequence, sample_sequences
+from ..core.sequence import Sequence, sample_sequences
 
 
 @torch.inference_mode()

@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from ..config import EngineConfig
-from ..model import CausalLM, load_model
+from ..model import CausalLM
 from ..model.tokenizer import Tokenizer
 from ..sampling import RequestOutputKind, SamplingParams
 from .engine import LLMEngine

@@ -21,7 +21,7 @@ from ..sampling import RequestOutputKind, SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .input_processor import EngineRequest
 from .outputs import CompletionOutput, Logprobs, RequestOutput, request_metrics
-from .sequence import Sequence, SequenceStatus
+from ..core.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .sequence import Sequence
+from ..core.sequence import Sequence
 
 # Per position: the chosen token's logprob first, then the top alternatives (token id -> logprob).
 Logprobs = dict[int, float]

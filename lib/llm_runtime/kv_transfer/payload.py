@@ -9,7 +9,7 @@ and, for int8, the scales. `KVLayout` is that list; a receiver whose own layout 
 the first difference (a wrong block would be wrong text, never an error, so it must never get in).
 
 A payload holds whole blocks only, of tokens the sender computed: the receiver names them in its prefix cache by
-those tokens (engine/block_manager.py), so a request whose prompt starts with them finds them cached, and only
+those tokens (core/block_manager.py), so a request whose prompt starts with them finds them cached, and only
 its tail (at least its last token, whose logits it samples from) is computed there.
 
 On the wire (`to_frames` / `from_frames`): a JSON header, then the keys' bytes and the values' bytes, each one

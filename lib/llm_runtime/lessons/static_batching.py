@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from ..engine.scheduler import StepRecord
+from ..core.scheduler import StepRecord
 from ..model import CausalLM
 from ..sampling import Sampler
-from ..engine.sequence import Sequence, SequenceStatus, sample_sequences
+from ..core.sequence import Sequence, SequenceStatus, sample_sequences
 
 
 class StaticBatchRunner:

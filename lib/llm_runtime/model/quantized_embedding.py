@@ -95,7 +95,7 @@ def _dequantized_rows(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, 
     return rows.flatten(1)
 
 
-# `q8_product` as one operator for torch.compile (engine/compiled_forward.py), as `int4_matmul` is.
+# `q8_product` as one operator for torch.compile (worker/compiled_forward.py), as `int4_matmul` is.
 q8_matmul_t = define_operator("q8_matmul_t", q8_product, dispatch_keys=("CPU", "CUDA"))
 
 

@@ -262,7 +262,7 @@ def int4_product(rows: torch.Tensor, packed: torch.Tensor, group_size: int,
     return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_and_zeros)
 
 
-# `int4_product` as one operator for torch.compile (engine/compiled_forward.py): the tracer cannot see into
+# `int4_product` as one operator for torch.compile (worker/compiled_forward.py): the tracer cannot see into
 # the C kernel, and the choice by row count stays inside, so one graph serves every row count.
 int4_matmul = define_operator("int4_matmul", int4_product, dispatch_keys=("CPU", "CUDA"))
 

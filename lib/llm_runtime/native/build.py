@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from ..model.bundled import default_cache_dir
+from ..cache_dir import default_cache_dir
 
 INCLUDE_DIR = Path(__file__).parent  # headers every kernel may include (number_formats.h)
 # -march=native lets the compiler use the machine's widest vectors (AVX-512 here); -fopenmp uses the

@@ -1,7 +1,7 @@
 """This package's PyTorch operators: Python functions the compiled forward pass keeps as one node each.
 
 `torch.compile` cannot trace into a ctypes call or choose a kernel by a row count it only knows at run
-time, so such code becomes an operator of the `llm_runtime` namespace (engine/compiled_forward.py). There
+time, so such code becomes an operator of the `llm_runtime` namespace (worker/compiled_forward.py). There
 are two ways to register one. `torch.library.custom_op` wraps every call in Python kernels for several
 dispatch keys (autograd, the in-place bookkeeping, the device) with safety checks in each; `Library.define`
 and `impl` register the function for the device key alone, the rest falling through in C++. A decode step

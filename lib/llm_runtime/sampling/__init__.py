@@ -4,7 +4,7 @@ grammar a request's output must follow (lesson 15)."""
 
 from .params import FIELD_BOUNDS, GREEDY_TEMPERATURE, Bounds, RequestOutputKind, SamplingParams
 from .rejection import RejectionOutput, one_hot_greedy, rejection_sample
-from .sampler import (Sampler, SamplerOutput, apply_min_p, apply_penalties, apply_top_k, apply_top_k_top_p, apply_top_p,
+from .sampler import (Logprobs, Sampler, SamplerOutput, apply_min_p, apply_penalties, apply_top_k, apply_top_k_top_p, apply_top_p,
                       sampling_probs)
 from .seeded import SeededGenerator
 from .structured_outputs import StructuredOutputsParams
@@ -14,6 +14,7 @@ __all__ = [
     "Bounds",
     "RequestOutputKind",
     "GREEDY_TEMPERATURE",
+    "Logprobs",
     "RejectionOutput",
     "Sampler",
     "SamplerOutput",

@@ -19,6 +19,9 @@ from .params import SamplingParams
 from .seeded import SeededGenerator, seeded_noise
 from .token_counts import TokenCounts
 
+# Per position: the chosen token's logprob first, then the top alternatives (token id -> logprob).
+Logprobs = dict[int, float]
+
 
 @dataclass
 class SamplerOutput:

@@ -8,7 +8,7 @@ the request's seed, which draw of the request this is (one per sampled token) an
 scrambling is a 32-bit integer hash applied elementwise to a (rows, vocab) grid, so one batch of tensor
 operations draws for every seeded row together. On the 2-core CI CPU, 64 rows of 49,152 took 34 ms
 hashed against 60 ms for one `exponential_` per row (with freed memory kept, as engines run:
-`engine/host_memory.py`); on a GPU the loop is also a kernel launch per seeded row.
+`worker/host_memory.py`); on a GPU the loop is also a kernel launch per seeded row.
 
 The hash is `lowbias32` (Chris Wellons' hash-prospector: two multiplies, three xor-shifts; every output
 bit depends on every input bit). It runs in int64 tensors holding 32-bit values, and multiplies by

@@ -28,7 +28,7 @@ Thread safety: only the loop task touches the engine's state, and only while no 
 Handlers read `snapshot`, the engine's stats taken by the loop after each step, and the events of `feed`
 (engine_events.py: the dashboard's live view), which the loop builds at the same points when anyone subscribed.
 
-KV transfer (lesson 18, kv_transfer/agent.py): with an agent, a request may carry `kv_transfer_params`. The loop
+KV transfer (lesson 18, serving/kv_agent.py): with an agent, a request may carry `kv_transfer_params`. The loop
 runs the agent on the step thread around every step (blocks received go into the pool before it, finished
 prefills' blocks are shipped after it), and holds a request that waits for its prompt's blocks until they came
 (or the agent's timeout passed: it then computes its prompt itself).
@@ -48,9 +48,10 @@ from dataclasses import dataclass
 from ..engine.engine import EngineRequest, EngineStats, LLMEngine, Messages, Prompt
 from ..engine.outputs import RequestOutput
 from ..errors import EngineBusyError, EngineDeadError, InvalidRequestError
-from ..kv_transfer.agent import KVTransferAgent, TransferParams
+from .kv_agent import KVTransferAgent, TransferParams
 from ..sampling import SamplingParams
 from .engine_events import EngineFeed, Subscription
+from .request_stream import RequestStream
 
 logger = logging.getLogger(__name__)
 
@@ -68,36 +69,6 @@ class EngineSnapshot:
 
     stats: EngineStats
     num_unfinished_requests: int
-
-
-class RequestStream:
-    """The outputs of one request, in order; iteration ends after the finished one."""
-
-    def __init__(self, request_id: str, engine: "AsyncLLMEngine") -> None:
-        self.request_id = request_id
-        self.finished = False
-        self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-    def cancel(self) -> None:
-        """Stop the request (a no-op once it finished); its blocks are freed at the next step boundary."""
-        if not self.finished:
-            self.finished = True
-            self._engine.abort(self.request_id)
 
 
 class AsyncLLMEngine:
@@ -351,7 +322,7 @@ class AsyncLLMEngine:
             except Exception as error:
                 logger.exception("aborting request %s failed", request_id)
                 if stream is not None:
-                    stream._queue.put_nowait(error)
+                    stream.put(error)
         for request in new:
             try:
                 self.engine.add_processed(request)
@@ -361,7 +332,7 @@ class AsyncLLMEngine:
                     self.kv_transfer.forget(request.request_id)
                 stream = self._streams.pop(request.request_id, None)
                 if stream is not None:
-                    stream._queue.put_nowait(error)
+                    stream.put(error)
 
     def _with_their_kv(self, new: list[EngineRequest], aborts: set[str]) -> list[EngineRequest]:
         """The requests to add now: `new` ones and those whose prompt's blocks arrived (or stopped being waited
@@ -417,7 +388,7 @@ class AsyncLLMEngine:
 
     def _fail_streams(self, error: BaseException) -> None:
         for stream in self._streams.values():
-            stream._queue.put_nowait(error)
+            stream.put(error)
         self._streams.clear()
         for subscription in list(self.feed.subscribers):  # the live view's streams end too
             self.feed.unsubscribe(subscription)
@@ -450,7 +421,7 @@ class AsyncLLMEngine:
                 for output in outputs:
                     stream = self._streams.get(output.request_id)
                     if stream is not None and output.request_id not in self._aborts:
-                        stream._queue.put_nowait(output)
+                        stream.put(output)
                         if output.finished:
                             del self._streams[output.request_id]
                 await asyncio.sleep(0)  # let the handlers that were just fed run before the next step

@@ -16,7 +16,7 @@ What an event holds (`GET /v1/engine/events` sends them):
   sequences with their block tables, the waiting ones (preempted or not), the requests that finished, one character
   per KV block (free, cached, in use, shared) and the engine's counters.
 
-Each server-sent event's `data` is an `EngineHello` or an `EngineState` (`protocol.py`), told apart by `type`.
+Each server-sent event's `data` is an `EngineHello` or an `EngineState` (`event_protocol.py`), told apart by `type`.
 
 Batching the steps of one interval into one event keeps the feed's cost bounded by time, not by the step rate: a
 batch-1 decode at 250 steps a second still builds 30 events a second. Each subscriber has a queue of
@@ -38,7 +38,7 @@ from typing import Any
 from ..config import SpeculativeConfig
 from ..engine.engine import LLMEngine
 from ..engine.outputs import RequestOutput
-from ..engine.sequence import Sequence
+from ..core.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from ..engine.outputs import RequestOutput
-from ..kv_transfer.agent import Durations
+from .kv_agent import Durations
 from .async_engine import AsyncLLMEngine
 
 PREFIX = "llm_runtime"

@@ -36,22 +36,22 @@ healthy backend of a kind a request needs, the answer is 503. A client that disc
 connection to the backend, which aborts the request there. `/metrics` counts requests and errors per backend.
 Bodies are bounded (413 past `max_request_bytes`), and `--api-key` asks clients for a bearer token as `serve`'s
 does (`--backend-api-key`: the one the router sends its backends, by default the same).
+
+`Router` holds the health checks and the forwarding; how a backend is chosen is router_policy.py's, what is done
+to bodies and streams (split, merged, relayed) router_streams.py's: each is tested on its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import itertools
+import functools
 import json
 import logging
 import uuid
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Container, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -61,13 +61,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 
 from ..kv_transfer.trust import is_loopback, is_unspecified, sign_params
 from .middleware import ApiKeyCheck, BodyLimit
+from .router_policy import Backend, BackendFailed, Pool, prompt_text
+from .router_streams import Refused, merge_answers, merged_events, split_prompts, unless_gone
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("round_robin", "least_loaded", "cache_aware")
-CHUNK = 64  # characters per hashed chunk of a prompt (cache_aware)
-MIN_MATCH = 0.5  # the share of a prompt a replica must have seen for cache_aware to prefer it over the least loaded
-MAX_REMEMBERED = 50_000  # chunk hashes remembered per replica, least recently used forgotten first
 HEALTH_INTERVAL_S = 1.0
 HEALTH_TIMEOUT_S = 2.0
 MISSED_PROBES = 3  # probes in a row a backend may miss (late, or not 200) before it leaves the rotation
@@ -77,108 +75,10 @@ MERGED_EVENTS_QUEUED = 64  # events a merged stream holds for a slow reader befo
 WENT_DOWN = "the backend went down"  # the message of a cancellation by mark_down (any other is passed on)
 # What only shapes the output: the prefill leg, which generates one token to be thrown away, leaves these out.
 OUTPUT_ONLY_FIELDS = ("min_tokens", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "stream_options")
-T = TypeVar("T")
 
 
 def _error(status: int, message: str, kind: str = "server_error") -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status_code=status)
-
-
-@dataclass(eq=False)
-class Backend:
-    """One server behind the router: its URL, whether it answers, and what this router has in flight there."""
-
-    url: str
-    role: str  # "prefill", "decode" or "replica"
-    healthy: bool = True
-    missed: int = 0  # probes missed in a row
-    in_flight: int = 0
-    kv_address: tuple[str, int] | None = None  # a decode server's: where it receives KV blocks
-    tasks: set[asyncio.Task] = field(default_factory=set)  # requests in flight (cancelled if it goes down)
-    remembered: OrderedDict[bytes, None] = field(default_factory=OrderedDict)  # cache_aware's chunk hashes
-
-
-def prompt_text(body: dict[str, Any]) -> str:
-    """What a request's prompt is, as text the router can compare: the completion prompt, or the chat messages."""
-    if "messages" in body:
-        return json.dumps(body["messages"], sort_keys=True, ensure_ascii=False)
-    return json.dumps(body.get("prompt"), ensure_ascii=False)
-
-
-def split_prompts(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """A completion body of several prompts as one body per prompt (a chat, or one prompt: the body alone). A
-    prompt is a string or a list of token ids; several are a list of those."""
-    prompt = body.get("prompt")
-    several = isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt)
-    return [{**body, "prompt": one} for one in prompt] if several else [body]
-
-
-def chunk_hashes(text: str) -> list[bytes]:
-    """Chained hashes of `text`'s whole CHUNK-character chunks: equal lists mean equal prefixes."""
-    hashes, parent = [], b""
-    for start in range(0, len(text) - CHUNK + 1, CHUNK):
-        parent = hashlib.blake2b(parent + text[start : start + CHUNK].encode(), digest_size=16).digest()
-        hashes.append(parent)
-    return hashes
-
-
-def cache_aware_choice(hashes: Sequence[bytes], remembered: Sequence[Container[bytes]], in_flight: Sequence[int],
-                       min_match: float = MIN_MATCH) -> int:
-    """Which replica gets a prompt of these chained chunk hashes: the one that was sent the longest run of them
-    (its first k hashes, for the largest k), when that run is at least one chunk and at least `min_match` of the
-    prompt's chunks; otherwise the least loaded. Ties go to the first replica."""
-    least = min(range(len(in_flight)), key=in_flight.__getitem__)
-    best, best_match = least, 0
-    for index, seen in enumerate(remembered):
-        match = next((i for i, h in enumerate(hashes) if h not in seen), len(hashes))
-        if match > best_match:
-            best, best_match = index, match
-    return best if best_match > 0 and best_match >= min_match * len(hashes) else least
-
-
-def merge_answers(answers: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Completions of one prompt each as one completion of them all: choices in prompt order, usage summed."""
-    merged = {**answers[0], "choices": []}
-    for index, answer in enumerate(answers):
-        merged["choices"] += [{**choice, "index": index} for choice in answer.get("choices", [])]
-    usages = [answer["usage"] for answer in answers if isinstance(answer.get("usage"), dict)]
-    if usages:
-        merged["usage"] = {name: sum(u.get(name) or 0 for u in usages)
-                           for name in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    return merged
-
-
-class Pool:
-    """The backends of one kind, and how the next one is chosen."""
-
-    def __init__(self, backends: list[Backend], policy: str) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-        self.backends, self.policy = backends, policy
-        self._turn = itertools.count()
-
-    def healthy(self) -> list[Backend]:
-        return [b for b in self.backends if b.healthy]
-
-    def choose(self, text: str, exclude: Container[Backend] = ()) -> Backend | None:
-        """The backend for a prompt, not one of `exclude` (None: no other is healthy); cache_aware remembers where
-        the prompt went."""
-        candidates = [b for b in self.healthy() if b not in exclude]
-        if not candidates:
-            return None
-        if self.policy == "round_robin":
-            return candidates[next(self._turn) % len(candidates)]
-        if self.policy == "least_loaded":
-            return min(candidates, key=lambda b: b.in_flight)
-        hashes = chunk_hashes(text)
-        chosen = candidates[cache_aware_choice(hashes, [b.remembered for b in candidates],
-                                               [b.in_flight for b in candidates])]
-        for h in reversed(hashes):  # a prompt's first chunk most recent: forgotten last (a match starts with it)
-            chosen.remembered[h] = None
-            chosen.remembered.move_to_end(h)
-        while len(chosen.remembered) > MAX_REMEMBERED:
-            chosen.remembered.popitem(last=False)
-        return chosen
 
 
 class RouterMetrics:
@@ -190,14 +90,6 @@ class RouterMetrics:
                               ["backend", "role"], registry=self.registry)
         self.unavailable = Counter("llm_runtime_router_unavailable", "requests answered 503: no healthy backend",
                                    registry=self.registry)
-
-
-class BackendFailed(Exception):
-    """A backend could not be reached or answered with a server error."""
-
-    def __init__(self, backend: Backend, message: str) -> None:
-        super().__init__(message)
-        self.backend = backend
 
 
 class Router:
@@ -346,7 +238,7 @@ class Router:
         if upstream.status_code != 200:
             content = await upstream.aread()
             await upstream.aclose()
-            raise _Refused(upstream.status_code, content)
+            raise Refused(upstream.status_code, content)
         return self._relay_stream(backend, upstream)
 
     async def _relay_stream(self, backend: Backend, upstream: httpx.Response) -> AsyncIterator[bytes]:
@@ -386,9 +278,9 @@ class Router:
                 return StreamingResponse(await self.events(backend, path, body), media_type="text/event-stream")
             except BackendFailed as error:
                 return _error(502, str(error))
-            except _Refused as refused:
+            except Refused as refused:
                 return refused.response()
-        answer = await _unless_gone(self.post(backend, path, body), request)
+        answer = await unless_gone(self.post(backend, path, body), request)
         if answer is None:
             return Response(status_code=499)
         if isinstance(answer, BackendFailed):
@@ -419,7 +311,7 @@ class Router:
         if len(bodies) > MAX_PROMPTS:
             return _error(400, f"disaggregated serving takes at most {MAX_PROMPTS} prompts a request, got "
                                f"{len(bodies)}", "invalid_request_error")
-        legs = await _unless_gone(asyncio.gather(*(self.prefilled(path, one) for one in bodies)), request)
+        legs = await unless_gone(asyncio.gather(*(self.prefilled(path, one) for one in bodies)), request)
         if legs is None:
             return Response(status_code=499)
         refused = next((leg for leg in legs if isinstance(leg, Response)), None)
@@ -430,9 +322,10 @@ class Router:
             server, rest = decodes[0]
             return await self.relay(server, path, rest, request)
         if body.get("stream"):
-            return StreamingResponse(self.merged_events(path, decodes, include_usage=bool(
+            streams = [functools.partial(self.events, server, path, one) for server, one in decodes]
+            return StreamingResponse(merged_events(streams, MERGED_EVENTS_QUEUED, include_usage=bool(
                 (body.get("stream_options") or {}).get("include_usage"))), media_type="text/event-stream")
-        answers = await _unless_gone(asyncio.gather(*(self.post(server, path, one) for server, one in decodes),
+        answers = await unless_gone(asyncio.gather(*(self.post(server, path, one) for server, one in decodes),
                                                     return_exceptions=True), request)
         if answers is None:
             return Response(status_code=499)
@@ -486,105 +379,6 @@ class Router:
             return _error(502, str(failure))
         self.metrics.unavailable.inc()
         return _error(503, "no healthy prefill server")
-
-    async def merged_events(self, path: str, decodes: Sequence[tuple[Backend, dict[str, Any]]],
-                            include_usage: bool) -> AsyncIterator[str]:
-        """Several prompts' streams as one: each event's choices renumbered by prompt, in the order they come, the
-        usage summed into one last event, then one `[DONE]`."""
-        queue: asyncio.Queue[tuple[int, dict[str, Any] | None]] = asyncio.Queue(MERGED_EVENTS_QUEUED)
-
-        async def pump(index: int, backend: Backend, body: dict[str, Any]) -> None:
-            try:
-                async for event in _sse_objects(await self.events(backend, path, body)):
-                    await queue.put((index, event))
-            except BackendFailed as error:
-                await queue.put((index, {"error": {"message": str(error), "type": "server_error"}}))
-            except _Refused as refused:
-                await queue.put((index, refused.json()))
-            finally:
-                await queue.put((index, None))
-
-        pumps = [asyncio.create_task(pump(i, backend, body)) for i, (backend, body) in enumerate(decodes)]
-        usage: dict[str, int] = {}
-        last: dict[str, Any] = {}
-        try:
-            for _ in range(len(pumps)):
-                while (item := await queue.get())[1] is not None:
-                    index, event = item
-                    if event.get("choices"):
-                        event["choices"] = [{**choice, "index": index} for choice in event["choices"]]
-                        event.pop("usage", None)
-                        last = event
-                        yield f"data: {json.dumps(event)}\n\n"
-                    elif isinstance(event.get("usage"), dict):
-                        for name, value in event["usage"].items():
-                            usage[name] = usage.get(name, 0) + (value if isinstance(value, int) else 0)
-                    else:
-                        yield f"data: {json.dumps(event)}\n\n"
-            if include_usage and usage:
-                yield f"data: {json.dumps({**last, 'choices': [], 'usage': usage})}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            for task in pumps:
-                task.cancel()
-
-
-class _Refused(Exception):
-    """A backend answered a stream request with an error status (its JSON body, whole)."""
-
-    def __init__(self, status: int, content: bytes) -> None:
-        super().__init__(status)
-        self.status, self.content = status, content
-
-    def response(self) -> Response:
-        return Response(self.content, status_code=self.status, media_type="application/json")
-
-    def json(self) -> dict[str, Any]:
-        try:
-            value = json.loads(self.content)
-        except ValueError:
-            value = None
-        return value if isinstance(value, dict) else {"error": {"message": f"status {self.status}",
-                                                                 "type": "server_error"}}
-
-
-async def _sse_objects(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:
-    """The JSON objects of a stream of server-sent events (`data: {...}` lines), without the final `[DONE]`."""
-    buffer = b""
-    async for chunk in chunks:
-        buffer += chunk
-        *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
-                try:
-                    value = json.loads(line[6:])
-                except ValueError:
-                    continue
-                if isinstance(value, dict):
-                    yield value
-
-
-async def _unless_gone(work: Awaitable[T], request: Request) -> T | None:
-    """`work`'s result, or None if the client disconnected first (the work is cancelled then: closing the
-    router's connections aborts the requests upstream)."""
-    working = asyncio.ensure_future(work)
-
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watching = asyncio.ensure_future(gone())
-    await asyncio.wait({working, watching}, return_when=asyncio.FIRST_COMPLETED)
-    watching.cancel()
-    if not working.done():
-        working.cancel()
-        with contextlib.suppress(asyncio.CancelledError, BackendFailed):
-            await working
-        return None
-    try:
-        return working.result()
-    except BackendFailed as error:
-        return error  # type: ignore[return-value]
 
 
 def create_router(prefill: Sequence[str] = (), decode: Sequence[str] = (), replicas: Sequence[str] = (),

@@ -7,7 +7,7 @@
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (the tokenizer's
 chat template; content a string or a list of text parts), `GET /health`, `GET /metrics`
 (Prometheus), `GET /v1/kv_transfer` (a server started with `--kv-transfer-config`: its role, and where it
-receives KV blocks; a request's `kv_transfer_params` then say what to do with its KV, kv_transfer/agent.py),
+receives KV blocks; a request's `kv_transfer_params` then say what to do with its KV, serving/kv_agent.py),
 `POST /reset_prefix_cache` (vLLM's: forget the cached blocks no request holds; with `--enable-dev-routes` only, as
 vLLM serves it in development mode), `GET /v1/engine/events` (the
 engine's live state as server-sent events, engine_events.py) and `GET /dashboard` (a page that draws them:
@@ -51,10 +51,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine import LLMEngine
 from ..errors import EngineBusyError, EngineDeadError, InvalidRequestError
-from ..kv_transfer.agent import KVTransferAgent
+from .kv_agent import KVTransferAgent
 from ..kv_transfer.config import KVTransferConfig
 from ..sampling import SamplingParams
-from . import protocol
+from . import event_protocol, protocol
 from .async_engine import AsyncLLMEngine, RequestStream
 from .dashboard import STATIC_DIR
 from .engine_events import EngineFeed
@@ -125,8 +125,8 @@ def _openapi(app: FastAPI, request_models: tuple[type[BaseModel], ...]) -> dict[
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             components.pop(name, None)
-        for model in (*request_models, protocol.CompletionChunk, protocol.ChatCompletionChunk, protocol.EngineHello,
-                      protocol.EngineState):
+        for model in (*request_models, protocol.CompletionChunk, protocol.ChatCompletionChunk, event_protocol.EngineHello,
+                      event_protocol.EngineState):
             definition = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(definition.pop("$defs", {}))
             components[model.__name__] = definition

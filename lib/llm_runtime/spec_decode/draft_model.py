@@ -39,13 +39,13 @@ from ..attention.kv_cache import PagedKVCache
 from ..attention.metadata import AttentionMetadata
 from ..attention.selector import select_backend
 from ..config import SpeculativeConfig
-from ..engine.block_manager import BlockManager
+from ..core.block_manager import BlockManager
 from ..model import CausalLM, load_model
 from ..sampling import sampling_probs
 from ..sampling.seeded import exponential_noise
 
 if TYPE_CHECKING:
-    from ..engine.sequence import Sequence
+    from ..core.sequence import Sequence
 
 @dataclass
 class _Plan:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from ..engine.sequence import Sequence
+    from ..core.sequence import Sequence
 
 
 def propose_ngram(token_ids: TokenList[int] | np.ndarray, num_tokens: int, max_n: int, min_n: int = 1) -> list[int]:

@@ -13,7 +13,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from ..engine.sequence import Sequence
+    from ..core.sequence import Sequence
 
 
 class Proposer(Protocol):

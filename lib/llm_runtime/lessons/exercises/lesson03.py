@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 
 from ...engine.output_processor import SequenceText
-from ...engine.sequence import Sequence
+from ...core.sequence import Sequence
 from ...sampling import SamplingParams
 from .check import Case, Verdict, run_cases, same_value
 

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from ...attention.kv_cache import ContiguousKVCache
-from ...engine.scheduler import StepRecord
-from ...engine.sequence import Sequence
+from ...core.scheduler import StepRecord
+from ...core.sequence import Sequence
 from ...sampling import Sampler, SamplingParams
 from ..static_batching import StaticBatchRunner
 from .check import Case, Verdict, run_cases, same_value

@@ -14,10 +14,10 @@ import torch
 
 from ...attention.kv_cache import PagedKVCache
 from ...config import EngineConfig
-from ...engine.block_manager import BlockManager
-from ...engine.model_runner import ModelRunner
-from ...engine.scheduler import ScheduledBatch, ScheduledSequence, Scheduler
-from ...engine.sequence import Sequence
+from ...core.block_manager import BlockManager
+from ...worker.model_runner import ModelRunner
+from ...core.scheduler import ScheduledBatch, ScheduledSequence, Scheduler
+from ...core.sequence import Sequence
 from ...sampling import Sampler, SamplingParams
 from .check import Case, Verdict, run_cases, same_value
 

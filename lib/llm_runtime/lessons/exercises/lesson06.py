@@ -3,7 +3,7 @@
 Both checkers build small engines' worth of real package objects around a tiny random model on
 the CPU (a few kilobytes of weights).
 
-- `pool_blocks(...)`: the KV budget rule of `engine/kv_budget.py` (device memory x utilization minus
+- `pool_blocks(...)`: the KV budget rule of `worker/kv_budget.py` (device memory x utilization minus
   what is held, capped at what max_num_seqs full-length sequences use in whole blocks), in blocks, against
   `kv_cache_memory` and `num_blocks_in`.
 - `refusal(prompt_len, max_tokens, context_len, num_kv_blocks, block_size)`: which field the engine
@@ -18,7 +18,7 @@ from dataclasses import replace
 from ...attention.kv_cache import num_blocks_in
 from ...config import EngineConfig, ModelConfig
 from ...engine.engine import LLMEngine
-from ...engine.kv_budget import CPU_DEVICE, activation_bytes, kv_cache_memory
+from ...worker.kv_budget import CPU_DEVICE, activation_bytes, kv_cache_memory
 from ...errors import InvalidRequestError
 from ...model import CausalLM
 from ...sampling import SamplingParams
@@ -67,7 +67,7 @@ def check_pool_blocks(fn: object) -> Verdict:
                             "the memory left binds" if headroom_binds else "max_num_seqs x max_model_len binds"))
         return out
 
-    return run_cases("pool_blocks", fn, cases, same_value, "llm_runtime.engine.kv_budget.kv_cache_memory")
+    return run_cases("pool_blocks", fn, cases, same_value, "llm_runtime.worker.kv_budget.kv_cache_memory")
 
 
 def engine_refusal(prompt_len: int, max_tokens: int, context_len: int, num_kv_blocks: int, block_size: int,

@@ -14,7 +14,7 @@ import torch
 
 from ...attention.kv_cache import PagedKVCache
 from ...attention.torch_gather import PagedKVBatch
-from ...engine.block_manager import BlockManager
+from ...core.block_manager import BlockManager
 from .check import Case, Verdict, run_cases, same_value
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import random
 
 from ...config import EngineConfig
-from ...engine.block_manager import BlockManager
-from ...engine.scheduler import Scheduler
-from ...engine.sequence import Sequence
+from ...core.block_manager import BlockManager
+from ...core.scheduler import Scheduler
+from ...core.sequence import Sequence
 from ...sampling import SamplingParams
 from .check import Case, Verdict, close_numbers, run_cases, same_value
 

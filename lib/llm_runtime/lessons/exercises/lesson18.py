@@ -5,7 +5,7 @@ cache-aware router picks.
   `lessons.disaggregation.shipped_kv_bytes` (which the tests hold equal to a real payload's bytes).
 - `goodput(timings, duration_s, ttft_s, tpot_s)`: requests per second that met both targets, against
   `bench.metrics.summarize(...).goodput`.
-- `cache_aware_choice(hashes, remembered, in_flight, min_match)`: against `serving.router.cache_aware_choice`.
+- `cache_aware_choice(hashes, remembered, in_flight, min_match)`: against `serving.router_policy.cache_aware_choice`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import random
 from typing import Any
 
 from ...bench.metrics import LatencyTargets, RequestTiming, summarize
-from ...serving.router import cache_aware_choice as reference_cache_aware_choice
+from ...serving.router_policy import cache_aware_choice as reference_cache_aware_choice
 from ..disaggregation import shipped_kv_bytes as reference_shipped_kv_bytes
 from .check import Case, Verdict, close_numbers, run_cases, same_value
 
@@ -104,4 +104,4 @@ def check_cache_aware_choice(fn: object) -> Verdict:
         return [Case({"hashes": h, "remembered": r, "in_flight": f, "min_match": m},
                      reference_cache_aware_choice(h, r, f, m), note) for h, r, f, m, note in table]
 
-    return run_cases("cache_aware_choice", fn, cases, same_value, "llm_runtime.serving.router.cache_aware_choice")
+    return run_cases("cache_aware_choice", fn, cases, same_value, "llm_runtime.serving.router_policy.cache_aware_choice")

@@ -1,4 +1,4 @@
-"""The step as one native call (engine/native_step.py): the eager path's logits within the dtype's rounding, the
+"""The step as one native call (worker/native_step.py): the eager path's logits within the dtype's rounding, the
 same greedy tokens; each row computed alone, so exactly the same tokens alone, in any batch, with drafts verified
 and with prefix hits; what it covers and why not elsewhere.
 
@@ -13,9 +13,9 @@ import torch
 
 from llm_runtime import LLM, SamplingParams, encode_chat
 from llm_runtime.config import ModelConfig
-from llm_runtime.engine.kv_budget import CPU_DEVICE, tensor_bytes
-from llm_runtime.engine import native_step
-from llm_runtime.engine.native_step import MAX_TOKENS, library_unavailable_reason, native_step_unavailable_reason
+from llm_runtime.worker.kv_budget import CPU_DEVICE, tensor_bytes
+from llm_runtime.worker import native_step
+from llm_runtime.worker.native_step import MAX_TOKENS, library_unavailable_reason, native_step_unavailable_reason
 from llm_runtime.model import CausalLM, load_model
 from llm_runtime.model.quantized_linear import quantize_linears_
 

@@ -18,7 +18,7 @@ from llm_runtime.attention import PagedKVCache, available_backends
 from llm_runtime.attention.blockwise import BlockwiseBackend
 from llm_runtime.attention.triton_backend import TritonBackend
 from llm_runtime.config import ModelConfig
-from llm_runtime.engine.cuda_graphs import (DecodeGraphs, graph_batch_sizes, graph_memory, graph_memory_bytes,
+from llm_runtime.worker.cuda_graphs import (DecodeGraphs, graph_batch_sizes, graph_memory, graph_memory_bytes,
                                             graphs_unavailable_reason)
 from llm_runtime.model import CausalLM
 
@@ -202,15 +202,20 @@ def test_captured_split_kv_gives_the_eager_tokens_on_the_gpu(tiny_pairs, split_k
     assert _run(engine, prompts, params) == expected
     assert engine.stats().num_graph_replays > 10
 
+
 def test_graph_memory_is_kept_out_of_the_pool_and_a_failed_capture_falls_back(tiny_pairs, monkeypatch) -> None:
     """When graphs will be captured, the KV budget keeps room for their pool; when a capture the config did
     not insist on fails, the engine warns and runs every step eagerly (here on the CPU, with the CUDA
     checks patched out and a capture that raises)."""
-    from llm_runtime.engine import engine as engine_module
-    from llm_runtime.engine.cuda_graphs import graph_memory_bytes
+    from llm_runtime.worker import plan as plan_module
+    from llm_runtime.worker.cuda_graphs import graph_memory_bytes
+
+    from llm_runtime.worker.kv_budget import CPU_DEVICE
 
     model = tiny_pairs["llama3"][0]
-    config = EngineConfig(max_num_seqs=16, max_model_len=256, cpu_device_memory=8 * 2**20, block_size=16)
+    others = CPU_DEVICE.held_bytes(torch.device("cpu"))  # engines other tests left alive (test_kv_memory's _others)
+    config = EngineConfig(max_num_seqs=16, max_model_len=256, cpu_device_memory=8 * 2**20 + int(others / 0.9),
+                          block_size=16)
     plain = LLMEngine(model, None, config)
     plain_blocks = plain.stats().num_total_blocks
     backend = plain.attention_backend
@@ -219,9 +224,9 @@ def test_graph_memory_is_kept_out_of_the_pool_and_a_failed_capture_falls_back(ti
     def failing_capture(self) -> None:
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    from llm_runtime.engine import cuda_graphs
+    from llm_runtime.worker import cuda_graphs
 
-    for module in (engine_module, cuda_graphs):
+    for module in (plan_module, cuda_graphs):
         monkeypatch.setattr(module, "graphs_unavailable_reason", lambda device, backend: None)
     monkeypatch.setattr(DecodeGraphs, "capture", failing_capture)
     with pytest.warns(RuntimeWarning, match="every step runs eagerly"):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from llm_runtime import EngineConfig, SamplingParams, Scheduler, Sequence, SequenceStatus
-from llm_runtime.engine.block_manager import BlockManager
+from llm_runtime.core.block_manager import BlockManager
 
 
 def _scheduler(num_blocks: int = 64, block_size: int = 4, **config) -> Scheduler:

@@ -43,17 +43,20 @@ when it is built (`warm_up`), as it captures CUDA graphs there.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import types
 
 import torch
 
+from ..attention import cpu_kernels
 from ..attention.backend import AttentionBackend, PagedAttentionStep
 from ..attention.kv_cache import PagedKVCache
 from ..attention.metadata import AttentionMetadata
-from ..model import CausalLM
-from ..native.cpp_operators import load_cpp_operators
+from ..model import CausalLM, quantized_kernels, quantized_linear
+from ..native import cpp_operators
+from ..native.build import FLAG_SETS, KernelUnavailable, build_torch_library
 from .input_batch import ModelInput
 
 logger = logging.getLogger(__name__)
@@ -66,6 +69,26 @@ def compiled_forward_unavailable_reason(backend: AttentionBackend, kv_cache_dtyp
         return f"the {backend.name} attention backend does not run inside a compiled forward pass"
     if kv_cache_dtype != "auto":
         return "an 8-bit KV pool is written by PyTorch operations on the host's choice of slots"
+    return None
+
+@functools.cache
+def load_cpp_operators() -> str | None:
+    """Build (the first time on this machine) and load the C++ twins of the attention and int4 operators
+    (native/cpp_operators.py); None when they are loaded, else why not. Called once per process; later calls
+    return the first answer."""
+    reason = cpu_kernels.kernel_unavailable_reason() or quantized_kernels.kernels_unavailable_reason()
+    if reason is not None:
+        return reason
+    sources = (*(cpu_kernels.SOURCE_DIR / name for name in cpu_kernels.COMPILED),
+               *(quantized_kernels.SOURCE_DIR / name for name in quantized_kernels.SOURCES))
+    try:
+        path = build_torch_library("operators", cpp_operators.SOURCE, sources,
+                                   {"DENSE_ROWS": quantized_linear.DENSE_ROWS}, FLAG_SETS)
+        cpp_operators.register_cpp_operators(path, {"int4_matmul": quantized_linear.int4_matmul_fake,
+                                                    "cpu_paged_attention": cpu_kernels.cpu_paged_attention_fake})
+    except (KernelUnavailable, OSError) as error:
+        logger.info("the compiled forward pass calls the Python operators: %s", error)
+        return str(error)
     return None
 
 

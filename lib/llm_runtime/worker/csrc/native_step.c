@@ -28,7 +28,7 @@
  * the paged attention kernel (paged_decode.c) and calls their inner functions on the same inputs, rounding to
  * bfloat16 where that path's tensors are bfloat16. What differs: the RMSNorm's sum of squares is summed in
  * another order and silu's exponential is libm's, so a rounding to bfloat16 can fall the other way now and then;
- * logits agree to bfloat16's rounding, not always bitwise (tests/engine/test_native_step.py).
+ * logits agree to bfloat16's rounding, not always bitwise (tests/worker/test_native_step.py).
  *
  * A model with dense float32 or bfloat16 weights runs the same stages without the quantizing ones, its products
  * reading the plain (out, in) matrices in items of 32 output rows (native_stages.h, included once per dtype:

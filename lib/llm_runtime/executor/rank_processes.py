@@ -1,13 +1,14 @@
-"""The engine's other ranks (lesson 17): processes that each hold a shard of the model and its KV pool, and compute
-every step rank 0 sends them.
+"""The engine's other ranks (lesson 17): processes that each run a `Worker` over a shard of the model and its KV
+pool, and compute every step rank 0 sends them (the tensor-parallel executor drives them: tensor_parallel.py).
 
 `ShardWorkers.start` starts ranks 1 .. size - 1 (launch.rank_context: spawned on CUDA, forked from a fork server
 with torch imported on the CPU), opens the process group as rank 0
 (the caller: the engine's process, which keeps the scheduler, the block manager and the sampler) and returns
 once every rank has joined. Each worker loads its own shard (only its slices are read from the files), waits for
-the engine's settings (`configure`: the pool's size and the attention backend, decided on rank 0 from its own
-shard), then loops: receive a step (step_channel.py), copy blocks, run the forward pass over its pool, take part
-in the logits gathers, until told to stop.
+rank 0's set-up (`configure`: the plan, worker/plan.py, and the pool's size, decided on rank 0 from its own shard),
+prepares its shard by the same `Worker` code as rank 0, then loops: receive a step (worker/step_channel.py), run
+the same forward pass over its pool (`Worker.execute_remote`), taking part in the logits gathers, until told to
+stop.
 
 Faults: a worker that raises reports it and exits; a worker that dies breaks the group's sockets, so rank 0's next
 collective fails at once, and a hung one fails it after the group's timeout; `check` says which worker died. A
@@ -37,8 +38,9 @@ from typing import Any
 
 import torch
 
-from .group import TensorParallelGroup, init_tensor_parallel, open_store
-from .launch import adopt_environment, rank_context, rank_environment, threads_per_rank, watch_parent
+from ..distributed.group import TensorParallelGroup, init_tensor_parallel, open_store
+from ..distributed.launch import adopt_environment, rank_context, rank_environment, threads_per_rank, watch_parent
+from ..worker.plan import ModelPlan
 
 
 @dataclass(frozen=True)
@@ -54,29 +56,34 @@ class WorkerSpec:
 
 
 @dataclass(frozen=True)
-class ShardSettings:
-    """What rank 0 decides for every rank once its own shard is loaded."""
+class RankSetup:
+    """What rank 0 decides for every rank once its own shard is loaded: the plan, the pool's size, the longest
+    context, and for an int8 pool the token ids its scales are measured over."""
 
+    plan: ModelPlan
     num_blocks: int
-    block_size: int
-    kv_cache_dtype: str
-    attention_backend: str
-    prepack_weights: bool
-    compile_pointwise: bool = False  # the layers' pointwise parts through torch.compile, as rank 0 runs them
-    compile_model: bool = False  # the forward pass compiled (engine/compiled_forward.py) for the steps rank 0 says
-    kv_calibration: tuple[int, ...] | None = None  # an int8 pool: the token ids its scales are measured over
+    max_model_len: int
+    kv_calibration: tuple[int, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {"plan": self.plan.to_json(), "num_blocks": self.num_blocks, "max_model_len": self.max_model_len,
+                "kv_calibration": None if self.kv_calibration is None else list(self.kv_calibration)}
 
     @classmethod
-    def from_json(cls, value: object) -> "ShardSettings":
-        """The settings rank 0 sent (a JSON object of exactly these fields); RuntimeError for anything else."""
+    def from_json(cls, value: object) -> "RankSetup":
+        """The set-up rank 0 sent (a JSON object of exactly these fields); RuntimeError for anything else."""
         names = {field.name for field in dataclasses.fields(cls)}
         if not isinstance(value, dict) or set(value) != names:
-            raise RuntimeError(f"a worker expected its settings first, got {value!r}")
+            raise RuntimeError(f"a worker expected its set-up first, got {value!r}")
         calibration = value["kv_calibration"]
-        return cls(**{**value, "kv_calibration": None if calibration is None else tuple(calibration)})
+        counts = (value["num_blocks"], value["max_model_len"])
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in counts):
+            raise RuntimeError(f"a worker's pool size and context must be positive integers, got {counts}")
+        if calibration is not None and not (isinstance(calibration, list)
+                                            and all(isinstance(t, int) and not isinstance(t, bool) for t in calibration)):
+            raise RuntimeError("a worker's calibration must be a list of token ids")
+        return cls(ModelPlan.from_json(value["plan"]), value["num_blocks"], value["max_model_len"],
+                   None if calibration is None else tuple(calibration))
 
 
 def _worker_main(rank: int, size: int, port: int, spec: WorkerSpec, errors: Connection, parent_pid: int,
@@ -95,11 +102,12 @@ def _worker_main(rank: int, size: int, port: int, spec: WorkerSpec, errors: Conn
 
 
 class ShardWorker:
-    """One worker rank's loop (module docstring)."""
+    """One worker rank's life (module docstring): its shard loaded, then a `Worker` set up as rank 0 says and run
+    over the steps rank 0 sends."""
 
     def __init__(self, tp: TensorParallelGroup, spec: WorkerSpec, device: str) -> None:
         from ..model.loader import load_model_weights
-        from .step_channel import StepChannel
+        from ..worker.step_channel import StepChannel
 
         self.tp = tp
         self.model = load_model_weights(spec.source, device=device, dtype=spec.dtype, quantization=spec.quantization,
@@ -107,58 +115,20 @@ class ShardWorker:
         self.channel = StepChannel(tp, "cpu" if torch.device(device).type == "cpu" else device)
 
     def run(self) -> None:
-        from ..attention.backend import PagedAttentionStep
-        from ..attention.kv_cache import PagedKVCache
-        from ..attention.selector import select_backend
-        from ..engine.input_batch import assemble_model_input
-        from ..engine.model_runner import PROMPT_LOGPROB_ROWS
-        from ..model.packed_linear import pack_linears_
-        from .step_channel import StepMessage
+        from ..worker.step_channel import StepMessage
+        from ..worker.worker import Worker
 
-        settings = ShardSettings.from_json(self.channel.receive())
-        model = self.model
-        if settings.prepack_weights:
-            pack_linears_(model)
-        if settings.compile_pointwise:
-            from ..model.pointwise import compiled_ops, set_pointwise_ops_
-
-            set_pointwise_ops_(model, compiled_ops())
-        scales = None
-        if settings.kv_calibration is not None:  # rank 0's calibration runs now too: their collectives meet
-            from ..attention.kv_calibration import calibrate_kv_scales
-
-            scales = calibrate_kv_scales(model, list(settings.kv_calibration))  # this rank's heads
-        kv_cache = PagedKVCache.for_model(model.config, settings.num_blocks, settings.block_size, dtype=model.dtype,
-                                          device=model.device, kv_cache_dtype=settings.kv_cache_dtype,
-                                          kv_scales=scales)
-        backend = select_backend(settings.attention_backend, model.device, model.dtype, None, settings.block_size)
-        compiled = None
-        if settings.compile_model:  # as rank 0's engine does it, at the same point: the warm-up's collectives meet
-            from ..engine.compiled_forward import CompiledForward
-            from ..model.pointwise import EAGER_OPS, set_pointwise_ops_
-
-            set_pointwise_ops_(model, EAGER_OPS)
-            compiled = CompiledForward(model, kv_cache, backend)
-            with self.tp.patient():  # the ranks' compilers finish at different times
-                compiled.warm_up()
-        with torch.inference_mode():
-            while (message := self.channel.receive()) is not None:
-                assert isinstance(message, StepMessage)
-                kv_cache.copy_blocks(message.block_copies)
-                step = assemble_model_input(message.buffer.to(model.device), message.host, message.layout,
-                                            settings.block_size, message.block_tables_host, ())
-                kv = PagedAttentionStep(kv_cache, backend, step.metadata)
-                if message.compiled:
-                    if compiled is None or compiled.run(step, kv) is None:
-                        raise RuntimeError("rank 0 ran a step compiled that this rank cannot run compiled")
-                    continue
-                hidden = model(step.input_ids, kv, step.positions)  # (1, N, hidden), the same on every rank
-                for first, rows in message.prompt_rows:  # the same calls as rank 0's, so the gathers meet
-                    for begin in range(0, rows, PROMPT_LOGPROB_ROWS):
-                        model.compute_logits(hidden[0, first + begin : first + min(begin + PROMPT_LOGPROB_ROWS, rows)])
-                if message.samples:
-                    model.compute_logits(hidden[0, step.logits_indices])
-        kv_cache.release()
+        setup = RankSetup.from_json(self.channel.receive())
+        worker = Worker(self.model, setup.plan)
+        worker.load_model()
+        worker.initialize_cache(setup.num_blocks, None if setup.kv_calibration is None else list(setup.kv_calibration))
+        worker.init_runner()
+        # As rank 0 does it, at the same point: a warm-up's collectives meet, whenever the ranks' compilers finish.
+        worker.compile_or_warm_up(setup.max_model_len, 1, patience=self.tp.patient())
+        while (message := self.channel.receive()) is not None:
+            assert isinstance(message, StepMessage)
+            worker.execute_remote(message)
+        worker.shutdown()
 
 
 @dataclass(frozen=True)
@@ -178,7 +148,7 @@ class ShardWorkers:
 
     def __init__(self, tp: TensorParallelGroup, processes: list[Any], errors: list[Connection], device: str,
                  store: Any = None) -> None:
-        from .step_channel import StepChannel
+        from ..worker.step_channel import StepChannel
 
         self.tp = tp
         self.processes = processes
@@ -247,10 +217,10 @@ class ShardWorkers:
             raise
         return cls(joined[0], processes, errors, spec.device, store)
 
-    def configure(self, settings: ShardSettings) -> None:
-        """Every worker's pool and backend (once, after rank 0 sized its own)."""
+    def configure(self, setup: RankSetup) -> None:
+        """Every worker's plan and pool (once, after rank 0 sized its own)."""
         with self.tp.patient():  # a worker still loading its shard receives it when it is done
-            self.channel.send_json(settings.to_json())
+            self.channel.send_json(setup.to_json())
 
     def check(self) -> str | None:
         """None while every worker lives; else what happened to the first that did not."""
@@ -306,7 +276,7 @@ def start_shard_workers(source: str | Path | None, size: int, *, device: str | t
     `tensor_parallel=workers.tp`). Refuses, before starting anything, a model whose shape does not split."""
     from ..device import resolve_device, resolve_dtype
     from ..model.loader import read_model_config, resolve_model_folder
-    from .sharding import tensor_parallel_unsupported_reason
+    from ..distributed.sharding import tensor_parallel_unsupported_reason
 
     resolved = resolve_device(device)
     if resolved.type == "cuda" and resolved.index not in (None, 0):

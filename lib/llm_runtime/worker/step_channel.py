@@ -1,6 +1,6 @@
 """How a step's inputs reach the other ranks (lesson 17): rank 0 schedules, every rank computes.
 
-Rank 0's input buffers (engine/input_batch.py) already hold a step's integers in one int64 buffer. Per step rank 0
+Rank 0's input buffers (input_batch.py) already hold a step's integers in one int64 buffer. Per step rank 0
 broadcasts a fixed header (the kind of message, the segment sizes, and whether the step runs as the compiled
 forward pass), then one payload: that buffer's used
 prefix, each block table's length, the step's copy-on-write block pairs, and the rows whose logits the step
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..engine.input_batch import StepLayout
-from .group import TensorParallelGroup
+from ..distributed.group import TensorParallelGroup
+from .input_batch import StepLayout
 
 STEP, STOP, CONFIGURE = 1, 2, 3
 _HEADER = 9  # kind, num_tokens, num_sampling, num_seqs, width, num_copies, num_prompt_rows, samples, compiled

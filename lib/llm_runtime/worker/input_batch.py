@@ -34,7 +34,7 @@ import torch
 from ..attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from .scheduler import ScheduledBatch
+    from ..core.scheduler import ScheduledBatch
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,7 @@ class InputBuffers:
 class StepLayout:
     """The sizes of a step's segments in the int64 buffer, in order: ids, positions, slots (N each), logits rows
     (R), offsets (B + 1), lengths (B), block tables (B x width). With them another rank reads the same buffer
-    (tensor parallelism, distributed/step_channel.py)."""
+    (tensor parallelism, step_channel.py)."""
 
     num_tokens: int
     num_sampling: int

@@ -6,7 +6,6 @@ float64 tiny models; transformers for the bundled model), and afterwards every b
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -14,63 +13,10 @@ import torch
 from conftest import transformers_greedy
 from llm_runtime import LLM, EngineConfig, LLMEngine, SamplingParams, generate
 from llm_runtime.attention.kv_cache import kv_block_bytes
-from llm_runtime.engine.kv_budget import activation_bytes, tensor_bytes
+from llm_runtime.worker.kv_budget import CPU_DEVICE, activation_bytes
 from llm_runtime.errors import EngineDeadError
 from llm_runtime.model.tokenizer import encode_chat
-
-BLOCK_SIZE = 16
-
-
-def shared_prefix_workload(vocab_size: int, num_requests: int = 30, seed: int = 1):
-    """Half the prompts start with one 70-token system prompt; some are exact repeats; some n > 1."""
-    rng = random.Random(seed)
-    system = [rng.randrange(3, vocab_size) for _ in range(70)]
-    workload = []
-    for i in range(num_requests):
-        if i % 2 == 0:
-            prompt = system + [rng.randrange(3, vocab_size) for _ in range(rng.randint(1, 60))]
-        elif i % 5 == 1 and i > 1:
-            prompt = list(workload[i - 2][0])  # an exact repeat of an earlier prompt
-        else:
-            prompt = [rng.randrange(3, vocab_size) for _ in range(rng.randint(1, 120))]
-        n = 3 if i % 7 == 3 else 1
-        workload.append((prompt, SamplingParams(n=n, temperature=0, max_tokens=rng.randint(1, 30), ignore_eos=True)))
-    return workload
-
-
-def blocks_unconstrained(workload) -> int:
-    """Blocks the workload would hold if every request ran at once with its own copy of everything."""
-    return sum(p.n * -(-(len(prompt) + p.max_tokens) // BLOCK_SIZE) for prompt, p in workload)
-
-
-def run_all(engine: LLMEngine, workload, arrive_every: int = 2) -> dict[str, list[list[int]]]:
-    """A third up front, the rest arriving one every `arrive_every` steps; every completion's tokens."""
-    pending = list(enumerate(workload))
-    results: dict[str, list[list[int]]] = {}
-    step = 0
-    while engine.has_unfinished_requests() or pending:
-        if pending and (step % arrive_every == 0 or step < len(workload) // 3):
-            i, (prompt, params) = pending.pop(0)
-            engine.add_request(str(i), prompt, params)
-        for output in engine.step():
-            if output.finished:
-                results[output.request_id] = [c.token_ids for c in output.outputs]
-        step += 1
-    return results
-
-
-def assert_no_leak(engine: LLMEngine) -> None:
-    stats = engine.stats()
-    assert stats.num_free_blocks == stats.num_total_blocks
-    assert not any(engine.block_manager.allocator.ref_counts)
-    assert not engine.block_manager.block_tables
-    assert stats.num_running == stats.num_waiting == 0 and not engine.scheduler.forks
-
-
-def expected_alone(model, workload) -> list[list[int]]:
-    return [generate(model, prompt, SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=True))
-            for prompt, p in workload]
-
+from workloads import BLOCK_SIZE, assert_no_leak, blocks_unconstrained, expected_alone, run_all, shared_prefix_workload
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen2"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -216,17 +162,26 @@ def test_kv_budget_from_bytes_and_cpu_default(tiny_pairs) -> None:
         LLMEngine(model, None, EngineConfig(kv_cache_memory=block - 1))
 
 
+def _others() -> int:
+    """What engines other tests left alive hold on the emulated device (a server's engine lives on after its app
+    as long as FastAPI's caches keep its route functions): the device rule counts them, as a GPU would."""
+    return CPU_DEVICE.held_bytes(torch.device("cpu"))
+
+
 def _device_rule_config() -> EngineConfig:
-    """An emulated CPU device of 8 MiB, smaller than what 32 sequences of 512 tokens could use (16 MiB)."""
-    return EngineConfig(cpu_device_memory=8 << 20, max_num_seqs=32, max_num_batched_tokens=64)
+    """An emulated CPU device of 8 MiB beyond what other engines hold, smaller than what 32 sequences of 512 tokens
+    could use (16 MiB)."""
+    return EngineConfig(cpu_device_memory=(8 << 20) + int(_others() / 0.9), max_num_seqs=32,
+                        max_num_batched_tokens=64)
 
 
 def test_cpu_budget_follows_the_device_rule(tiny_pairs) -> None:
     """Pool = device memory x utilization - weights - activations - what live engines hold."""
     model, _ = tiny_pairs["llama3"]
     config = _device_rule_config()
+    held = CPU_DEVICE.held_bytes(torch.device("cpu"), besides=[model])  # this model's weights, and the others'
     engine = LLMEngine(model, None, config)
-    expected = int(config.cpu_device_memory * 0.9) - tensor_bytes(model) - activation_bytes(model, config)
+    expected = int(config.cpu_device_memory * 0.9) - held - activation_bytes(model, config)
     assert engine.kv_cache.nbytes == expected // kv_block_bytes(model.config, 16, model.dtype) * \
         kv_block_bytes(model.config, 16, model.dtype)
     engine.shutdown()
@@ -236,19 +191,20 @@ def test_a_second_engine_fails_while_the_first_holds_its_pool_and_passes_once_it
     """The lesson-style sequence: engine A alive, then engine B. As on a GPU, B finds no memory until A
     is shut down (or no longer referenced); the error says what to do."""
     model, _ = tiny_pairs["llama3"]
-    first = LLM.from_model(model, None, **vars(_device_rule_config()))
+    config = _device_rule_config()  # measured once: each engine then draws on the same device
+    first = LLM.from_model(model, None, **vars(config))
     with pytest.raises(RuntimeError, match="no device memory left.*shutdown"):
-        LLMEngine(model, None, _device_rule_config())
+        LLMEngine(model, None, config)
     first.shutdown()
     assert first.llm_engine.kv_cache.nbytes == 0
     with pytest.raises(EngineDeadError, match="shut down"):
         first.generate([[5, 6, 7]], use_tqdm=False)
-    with LLM.from_model(model, None, **vars(_device_rule_config())) as second:  # the memory is back
+    with LLM.from_model(model, None, **vars(config)) as second:  # the memory is back
         assert second.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
     assert second.llm_engine.kv_cache.nbytes == 0  # the context manager shut it down
-    third = LLMEngine(model, None, _device_rule_config())
+    third = LLMEngine(model, None, config)
     del third  # an engine nobody references holds nothing either
-    LLMEngine(model, None, _device_rule_config()).shutdown()
+    LLMEngine(model, None, config).shutdown()
 
 
 def test_an_explicit_budget_lets_two_engines_live_side_by_side(tiny_pairs) -> None:
@@ -270,7 +226,8 @@ def test_a_played_gpu_s_memory_limits_weights_activations_and_an_explicit_pool(t
 
     model, _ = tiny_pairs["llama3"]
     block = kv_block_bytes(model.config, 16, model.dtype)
-    held = tensor_bytes(model) + activation_bytes(model, EngineConfig(num_kv_blocks=1))
+    held = (CPU_DEVICE.held_bytes(torch.device("cpu"), besides=[model])
+            + activation_bytes(model, EngineConfig(num_kv_blocks=1)))  # other tests' live engines too (`_others`)
     t4 = replace_profile(EMULATED_PROFILES["t4"], memory_bytes=int((held + 100 * block) / 0.9))
     monkeypatch.setitem(EMULATED_PROFILES, "t4", t4)
     monkeypatch.setenv("LLM_RUNTIME_DEVICE_PROFILE", "t4")

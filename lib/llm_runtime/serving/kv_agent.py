@@ -37,11 +37,11 @@ from typing import Any
 from ..engine.engine import LLMEngine
 from ..engine.outputs import RequestOutput
 from ..errors import is_device_fault
-from .config import KVTransferConfig
-from .log_throttle import LogThrottle
-from .payload import check_transfer_id
-from .trust import is_loopback, signed_by
-from .zmq_connector import KVReceiver, KVSender, Received
+from ..kv_transfer.config import KVTransferConfig
+from ..kv_transfer.log_throttle import LogThrottle
+from ..kv_transfer.payload import check_transfer_id
+from ..kv_transfer.trust import is_loopback, signed_by
+from ..kv_transfer.zmq_connector import KVReceiver, KVSender, Received
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_runtime.engine.block_manager import BlockManager
+from llm_runtime.core.block_manager import BlockManager
 
 BLOCK_SIZE = 4
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 7, 7], [5] * 12, []]

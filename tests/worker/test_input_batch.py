@@ -11,9 +11,9 @@ import torch
 
 from llm_runtime import SamplingParams
 from llm_runtime.attention.metadata import AttentionMetadata
-from llm_runtime.engine.input_batch import InputBuffers
-from llm_runtime.engine.scheduler import ScheduledBatch, ScheduledSequence
-from llm_runtime.engine.sequence import Sequence
+from llm_runtime.worker.input_batch import InputBuffers
+from llm_runtime.core.scheduler import ScheduledBatch, ScheduledSequence
+from llm_runtime.core.sequence import Sequence
 
 
 def _random_batch(rng: random.Random, block_size: int, num_blocks: int = 400) -> ScheduledBatch:

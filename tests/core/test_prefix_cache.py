@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_runtime.engine import prefix_cache as prefix_cache_module
-from llm_runtime.engine.block_manager import BlockManager
-from llm_runtime.engine.prefix_cache import CachedBlock, PrefixCache
+from llm_runtime.core import prefix_cache as prefix_cache_module
+from llm_runtime.core.block_manager import BlockManager
+from llm_runtime.core.prefix_cache import CachedBlock, PrefixCache
 
 
 def test_keys_are_sha256_chains_from_a_random_root_per_cache() -> None:

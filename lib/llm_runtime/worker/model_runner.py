@@ -36,19 +36,18 @@ from ..attention.kv_cache import PagedKVCache
 from ..attention.torch_gather import TorchGatherBackend
 from ..errors import SamplingError, is_device_fault
 from ..model import CausalLM
-from ..sampling import Sampler
+from ..sampling import Logprobs, Sampler
 from ..sampling.rejection import RejectionSampler
 from ..structured_output import allocate_bitmask, apply_bitmask
 from .compiled_forward import CompiledForward
 from .cuda_graphs import DecodeGraphs
-from .input_batch import InputBuffers, ModelInput
+from .input_batch import InputBuffers, ModelInput, assemble_model_input
 from .native_step import NativeStep
-from .outputs import Logprobs
-from .scheduler import ScheduledBatch, ScheduledSequence
-from .sequence import Sequence, sample_sequences, verify_drafts
+from ..core.scheduler import ScheduledBatch, ScheduledSequence
+from ..core.sequence import Sequence, sample_sequences, verify_drafts
 
 if TYPE_CHECKING:
-    from ..distributed.step_channel import StepChannel
+    from .step_channel import StepChannel, StepMessage
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions turned into logits at once (each row is vocab-sized)
 
@@ -173,6 +172,26 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[0, model_input.logits_indices])  # (R, vocab)
         self.profile.forward += time.perf_counter() - prepared
         return self._sample(batch, sampling, logits, output)
+
+    @torch.inference_mode()
+    def run_remote(self, message: StepMessage) -> None:
+        """A worker rank's part of rank 0's step (lesson 17): the same forward pass, compiled or not as rank 0 ran
+        it, over the inputs rank 0 prepared, and the same logits calls in the same order, so that every collective
+        meets its twin; rank 0 alone samples."""
+        self.kv_cache.copy_blocks(message.block_copies)
+        step = assemble_model_input(message.buffer.to(self.model.device), message.host, message.layout,
+                                    self.kv_cache.block_size, message.block_tables_host, ())
+        kv = PagedAttentionStep(self.kv_cache, self.attention_backend, step.metadata)
+        if message.compiled:
+            if self.compiled is None or self.compiled.run(step, kv) is None:
+                raise RuntimeError("rank 0 ran a step compiled that this rank cannot run compiled")
+            return
+        hidden = self.model(step.input_ids, kv, step.positions)  # (1, N, hidden), the same on every rank
+        for first, rows in message.prompt_rows:
+            for begin in range(0, rows, PROMPT_LOGPROB_ROWS):
+                self.model.compute_logits(hidden[0, first + begin : first + min(begin + PROMPT_LOGPROB_ROWS, rows)])
+        if message.samples:
+            self.model.compute_logits(hidden[0, step.logits_indices])
 
     def _send_step(self, batch: ScheduledBatch, model_input: ModelInput, compiled: bool) -> None:
         """The step to the other ranks: its buffer, whether it runs compiled, and which logits it computes, in the

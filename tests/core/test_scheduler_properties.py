@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llm_runtime import EngineConfig, SamplingParams, Scheduler, Sequence, SequenceStatus
-from llm_runtime.engine.block_manager import BlockManager
+from llm_runtime.core.block_manager import BlockManager
 
 VOCAB = 6  # few tokens: prompts share prefixes, and guesses are often right
 

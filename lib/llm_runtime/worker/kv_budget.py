@@ -24,7 +24,7 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -33,8 +33,18 @@ from ..config import EngineConfig
 from ..device import device_profile
 from ..model import CausalLM
 
-if TYPE_CHECKING:
-    from .engine import LLMEngine
+
+class DeviceHolder(Protocol):
+    """What the ledger asks of what it counts (a `Worker`): its device, the bytes of its pools, its models."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def kv_pool_bytes(self) -> int: ...
+
+    @property
+    def device_models(self) -> list[torch.nn.Module]: ...
 
 
 def tensor_bytes(module: torch.nn.Module) -> int:
@@ -61,7 +71,7 @@ def activation_bytes(model: CausalLM, config: EngineConfig) -> int:
 
 
 class DeviceLedger:
-    """The live engines of this process on the emulated CPU device, held weakly: an engine nobody
+    """The live workers of this process's engines on the emulated CPU device, held weakly: a worker nobody
     references any more holds nothing, and one that was shut down holds nothing either.
 
     It is the one piece of process-wide state in the package, because device memory is one: on
@@ -69,16 +79,16 @@ class DeviceLedger:
     """
 
     def __init__(self) -> None:
-        self._engines: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
+        self._holders: weakref.WeakSet[DeviceHolder] = weakref.WeakSet()
 
-    def register(self, engine: LLMEngine) -> None:
-        self._engines.add(engine)
+    def register(self, holder: DeviceHolder) -> None:
+        self._holders.add(holder)
 
-    def release(self, engine: LLMEngine) -> None:
-        self._engines.discard(engine)
+    def release(self, holder: DeviceHolder) -> None:
+        self._holders.discard(holder)
 
     def num_live(self, device: torch.device) -> int:
-        return sum(engine.model.device == device for engine in list(self._engines))
+        return sum(holder.device == device for holder in list(self._holders))
 
     def held_bytes(self, device: torch.device, besides: Sequence[torch.nn.Module] = ()) -> int:
         """Bytes held on `device` by live engines (their pools, their draft models' pools, their models' and
@@ -86,11 +96,11 @@ class DeviceLedger:
         gc.collect()  # an engine in a reference cycle that nobody can reach is not live
         models: dict[int, torch.nn.Module] = {id(module): module for module in besides}
         pools = 0
-        for engine in list(self._engines):
-            if engine.model.device != device:
+        for holder in list(self._holders):
+            if holder.device != device:
                 continue
-            pools += engine.kv_pool_bytes
-            models.update((id(module), module) for module in engine.device_models)
+            pools += holder.kv_pool_bytes
+            models.update((id(module), module) for module in holder.device_models)
         # One storage counted once across the modules too (a native step's plain weights may be the model's own).
         return pools + tensor_bytes(torch.nn.ModuleList(models.values()))
 

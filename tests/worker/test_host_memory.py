@@ -7,7 +7,7 @@ import platform
 
 import pytest
 
-from llm_runtime.engine.host_memory import keep_freed_host_memory
+from llm_runtime.worker.host_memory import keep_freed_host_memory
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
@@ -23,7 +23,7 @@ def test_without_a_c_library_nothing_happens(monkeypatch) -> None:
 
 
 def test_bounding_the_shape_caches_keeps_what_the_environment_says() -> None:
-    from llm_runtime.engine.host_memory import SHAPE_CACHE_VARIABLES, bound_shape_caches
+    from llm_runtime.worker.host_memory import SHAPE_CACHE_VARIABLES, bound_shape_caches
 
     environ = {"LRU_CACHE_CAPACITY": "5"}
     assert bound_shape_caches(environ, 64) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "5"}
@@ -34,7 +34,7 @@ def test_bounding_the_shape_caches_keeps_what_the_environment_says() -> None:
 
 _GROWTH = """
 import ctypes, ctypes.util, os, random, sys, torch
-from llm_runtime.engine.host_memory import bound_shape_caches, keep_freed_host_memory
+from llm_runtime.worker.host_memory import bound_shape_caches, keep_freed_host_memory
 if sys.argv[1] == "bounded":
     bound_shape_caches(os.environ, 8)
 class MallInfo2(ctypes.Structure):
@@ -61,7 +61,7 @@ def test_products_of_ever_new_shapes_keep_no_more_memory_once_the_caches_are_bou
     import subprocess
     import sys
 
-    from llm_runtime.engine.host_memory import SHAPE_CACHE_VARIABLES
+    from llm_runtime.worker.host_memory import SHAPE_CACHE_VARIABLES
 
     def growth(mode: str) -> float:
         result = subprocess.run([sys.executable, "-c", _GROWTH, mode], capture_output=True, text=True, timeout=300,

@@ -1,4 +1,4 @@
-"""The forward pass as one compiled graph (engine/compiled_forward.py): the eager engine's tokens through
+"""The forward pass as one compiled graph (worker/compiled_forward.py): the eager engine's tokens through
 batching, paging, prefix hits, forks and preemption; one graph for every step shape; the steps it leaves
 eager; quantized and packed layers inside it; when it is used by default and when it is refused.
 
@@ -15,12 +15,12 @@ import torch
 
 from llm_runtime import EngineConfig, LLMEngine, SamplingParams
 from llm_runtime.attention import available_backends
-from llm_runtime.engine.compiled_forward import model_kind
+from llm_runtime.worker.compiled_forward import model_kind
 from llm_runtime.model.packed_linear import pack_linears_
 from llm_runtime.model.quantized_embedding import Q8Embedding, Q8Head, Q8Table
 from llm_runtime.model.quantized_linear import quantize_linears_
 
-from test_kv_memory import BLOCK_SIZE, assert_no_leak, blocks_unconstrained, run_all, shared_prefix_workload
+from workloads import BLOCK_SIZE, assert_no_leak, blocks_unconstrained, run_all, shared_prefix_workload
 
 pytestmark = pytest.mark.skipif(available_backends("cpu", torch.float32)["cpu"] is not None,
                                 reason="no C compiler builds the cpu backend's kernel here")
@@ -75,7 +75,7 @@ def test_compiled_steps_give_the_eager_tokens_with_one_graph(tiny_pairs) -> None
 def test_verification_chunks_run_in_the_same_graph(tiny_pairs) -> None:
     """Speculative decoding (lesson 14): k + 1 tokens per speculating sequence and k + 1 logits rows, in the
     graph already compiled; the eager engine's greedy tokens, no recompilation."""
-    from test_speculative_decoding import NGRAM, repetitive_workload
+    from workloads import NGRAM, repetitive_workload
 
     model = _float32(tiny_pairs)
     workload = repetitive_workload(model.config.vocab_size, 12, seed=3)
