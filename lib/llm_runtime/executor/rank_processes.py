@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -222,14 +223,20 @@ class ShardWorkers:
         with self.tp.patient():  # a worker still loading its shard receives it when it is done
             self.channel.send_json(setup.to_json())
 
-    def check(self) -> str | None:
-        """None while every worker lives; else what happened to the first that did not."""
-        for rank, process in enumerate(self.processes, start=1):
-            if not process.is_alive():
-                reported = self._reported(rank)
-                return (f"tensor-parallel worker {process.name} exited (code {process.exitcode})"
-                        + (f":\nrank {rank}: {reported}" if reported else ""))
-        return None
+    def check(self, grace_s: float = 0.0) -> str | None:
+        """None while every worker lives; else what happened to the first that did not. `grace_s`: how long to keep
+        looking (after a collective failed, the rank that broke it is dead, but a rank forked from a fork server is
+        reported dead by that server, a moment after its sockets closed)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank, process in enumerate(self.processes, start=1):
+                if not process.is_alive():
+                    reported = self._reported(rank)
+                    return (f"tensor-parallel worker {process.name} exited (code {process.exitcode})"
+                            + (f":\nrank {rank}: {reported}" if reported else ""))
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
 
     def _reported(self, rank: int) -> str:
         """The traceback worker `rank` sent before it ended, if it sent one."""

@@ -11,7 +11,6 @@ failed in its forward pass cannot be run again (the ranks stopped at different p
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 
@@ -25,7 +24,7 @@ from ..worker.model_runner import ModelRunner
 from .executor import Executor
 from .rank_processes import RankSetup, ShardWorkers, WorkerSpec
 
-DEATH_NOTICE_S = 1.0  # after a failed step, how long to wait for a dead rank's exit to be reported
+DEATH_NOTICE_S = 1.0  # after a failed step, how long a dead rank's exit may take to be reported
 
 
 class TensorParallelExecutor(Executor):
@@ -97,11 +96,7 @@ class TensorParallelExecutor(Executor):
             return None
         assert self.workers is not None
         self.workers.failed = True
-        dead = self.workers.check()
-        deadline = time.monotonic() + DEATH_NOTICE_S
-        while dead is None and time.monotonic() < deadline:  # a killed rank's exit reaches us a moment after its
-            time.sleep(0.02)                                   # sockets close (its fork server reports it)
-            dead = self.workers.check()
+        dead = self.workers.check(grace_s=DEATH_NOTICE_S)
         return error if dead is None else RuntimeError(dead)
 
     def check_health(self) -> str | None:

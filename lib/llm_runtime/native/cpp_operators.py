@@ -12,12 +12,12 @@ The C++ file registers the same two operators, `int4_matmul` and `cpu_paged_atte
 `llm_runtime_native`, with the same schemas, checks and C kernels (compiled into the same library), so a
 call from the graph goes from the dispatcher straight into C++. `load_cpp_operators` builds the library
 the first time (about 10 s: the one file of the package that includes PyTorch's headers; cached on disk
-like the C kernels, native/build.py) and loads it (`register_cpp_operators`); the compiled forward pass calls it
+like the C kernels, native/build.py) and loads it (`register_cpp_operators`). The compiled forward pass calls it
 before it traces (worker/compiled_forward.py, which knows the kernels' sources: this package imports neither
 the attention kernels nor the quantized layers), and the layers pick the C++ operator while being traced
-(`cpp_operator`). Where it cannot be built (no C++
-compiler, or the C kernels themselves are unavailable), everything runs as before, through the Python
-operators, and the reason is logged. Eager code never uses these: it calls the Python functions directly.
+(`cpp_operator`). Where it cannot be built (no C++ compiler, or the C kernels themselves are unavailable),
+everything runs as before, through the Python operators, and the reason is logged. Eager code never uses these:
+it calls the Python functions directly.
 """
 
 from __future__ import annotations

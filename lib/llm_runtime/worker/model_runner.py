@@ -39,12 +39,12 @@ from ..model import CausalLM
 from ..sampling import Logprobs, Sampler
 from ..sampling.rejection import RejectionSampler
 from ..structured_output import allocate_bitmask, apply_bitmask
+from ..core.scheduler import ScheduledBatch, ScheduledSequence
+from ..core.sequence import Sequence, sample_sequences, verify_drafts
 from .compiled_forward import CompiledForward
 from .cuda_graphs import DecodeGraphs
 from .input_batch import InputBuffers, ModelInput, assemble_model_input
 from .native_step import NativeStep
-from ..core.scheduler import ScheduledBatch, ScheduledSequence
-from ..core.sequence import Sequence, sample_sequences, verify_drafts
 
 if TYPE_CHECKING:
     from .step_channel import StepChannel, StepMessage
@@ -188,8 +188,8 @@ class ModelRunner:
             return
         hidden = self.model(step.input_ids, kv, step.positions)  # (1, N, hidden), the same on every rank
         for first, rows in message.prompt_rows:
-            for begin in range(0, rows, PROMPT_LOGPROB_ROWS):
-                self.model.compute_logits(hidden[0, first + begin : first + min(begin + PROMPT_LOGPROB_ROWS, rows)])
+            for part in prompt_logprob_slices(rows):
+                self.model.compute_logits(hidden[0, first + part.start : first + part.stop])
         if message.samples:
             self.model.compute_logits(hidden[0, step.logits_indices])
 
@@ -288,9 +288,8 @@ class ModelRunner:
         targets = torch.tensor(seq.prompt_token_ids[item.start + 1 : item.start + 1 + num_rows],
                                device=hidden.device)
         entries: list[Logprobs] = []
-        for begin in range(0, num_rows, PROMPT_LOGPROB_ROWS):
-            end = min(begin + PROMPT_LOGPROB_ROWS, num_rows)
-            entries += _logprob_entries(self.model.compute_logits(hidden[begin:end]), targets[begin:end].tolist(), k)
+        for part in prompt_logprob_slices(num_rows):
+            entries += _logprob_entries(self.model.compute_logits(hidden[part]), targets[part].tolist(), k)
         if entries:
             output.prompt_logprobs.append((seq, item.start, entries))
 
@@ -298,6 +297,13 @@ class ModelRunner:
     def _prompt_rows(item: ScheduledSequence) -> int:
         """How many of a prefill chunk's positions predict a prompt token (the last prompt token predicts none)."""
         return max(0, min(item.start + item.num_new_tokens, item.seq.num_prompt_tokens - 1) - item.start)
+
+
+def prompt_logprob_slices(num_rows: int) -> list[slice]:
+    """The slices of a chunk's prompt positions whose logits are computed at once (PROMPT_LOGPROB_ROWS each): rank 0
+    and the other ranks cut them alike, so their logits gathers meet."""
+    return [slice(begin, min(begin + PROMPT_LOGPROB_ROWS, num_rows))
+            for begin in range(0, num_rows, PROMPT_LOGPROB_ROWS)]
 
 
 def _logprob_entries(logits: torch.Tensor, tokens: list[int], k: int) -> list[Logprobs]:
