@@ -34,7 +34,10 @@ lab: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[lab]"
 	$(BIN)/jupyter lab notebooks/
 
-# The unit tests and every lesson in float32 (a CPU reader's run); then the CPU plays the GPUs a reader has
+# The unit tests, in TEST_WORKERS processes of one thread each (pytest-xdist): much of a test is single-threaded
+# Python (set-up, tokenizing, compiling, servers starting), which one process cannot spread over two cores, so on
+# this 2-core machine two workers ran them in 598 s against 995 s in one process; the tests time nothing. Every
+# lesson in float32 (a CPU reader's run), one at a time and with every core, since their cells time things; then the CPU plays the GPUs a reader has
 # (LLM_RUNTIME_DEVICE_PROFILE, device.py: their dtype rules and kernels, computed on the CPU; timed loads a
 # quarter of their size, lessons.workload_size). Under an H100's rules ("auto" is bfloat16) lesson 02, whose
 # subject is what the dtype does to logits and tokens, and the lessons that branch on the device (11-14). Under a
@@ -43,6 +46,7 @@ lab: $(STAMP)
 # other lessons, whose token checks run on a float32 copy whatever the dtype (llm_runtime.lessons.equality) and
 # whose half-precision branches only change the numbers they print (lessons 01, 03, 06 and 07 in bfloat16 add
 # 3 minutes: `LLM_RUNTIME_DEVICE_PROFILE=h100 .venv/bin/python -m pytest --nbval-lax notebooks/01_*.ipynb`).
+TEST_WORKERS ?= 2
 H100_LESSONS := 02 11 12 13 14
 T4_LESSONS := 11 12 13 14
 H100_NOTEBOOKS := $(foreach n,$(H100_LESSONS),$(wildcard notebooks/$(n)_*.ipynb))
@@ -57,7 +61,8 @@ NO_AVX512_TESTS := tests/native tests/worker/test_native_step.py tests/model/tes
 test: $(STAMP)
 	@test $(words $(H100_NOTEBOOKS)) -eq $(words $(H100_LESSONS)) -a $(words $(T4_NOTEBOOKS)) -eq $(words $(T4_LESSONS)) || \
 		{ echo "H100_LESSONS/T4_LESSONS name lessons that are not in notebooks/"; exit 1; }
-	$(BIN)/python -m pytest -q tests notebooks --nbval-lax --durations=10
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=10 tests
+	$(BIN)/python -m pytest -q notebooks --nbval-lax --durations=10
 	LLM_RUNTIME_DEVICE_PROFILE=h100 $(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --durations=5 $(H100_NOTEBOOKS)
 	LLM_RUNTIME_DEVICE_PROFILE=t4 $(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --durations=5 $(T4_NOTEBOOKS)
 	$(NO_AVX512) $(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --durations=5 $(NO_AVX512_TESTS)

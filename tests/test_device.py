@@ -121,3 +121,30 @@ def test_the_cpu_allows_quantized_layers_in_float32_and_bfloat16(monkeypatch) ->
     assert load_reason("cpu", quantization="gguf", dtype="float32") is None
     with pytest.raises(ValueError, match="quantization must be one of"):
         load_reason("cpu", quantization="int3")
+
+
+def test_what_a_lesson_asks_follows_the_profile(monkeypatch) -> None:
+    """Lessons ask these instead of torch (tests/lessons/test_device_queries.py): a CPU playing a T4 answers as a
+    T4 would (no bfloat16 in hardware: torch.cuda.is_bf16_supported() on a real T4 says True, counting emulation)."""
+    from llm_runtime.device import gpu_count, has_fast_bfloat16, memory_in_use, synchronize
+
+    monkeypatch.setenv("LLM_RUNTIME_DEVICE_PROFILE", "t4")
+    assert has_fast_bfloat16("cpu") is False
+    monkeypatch.setenv("LLM_RUNTIME_DEVICE_PROFILE", "h100")
+    assert has_fast_bfloat16("cpu") is True
+    monkeypatch.delenv("LLM_RUNTIME_DEVICE_PROFILE")
+    assert has_fast_bfloat16("cpu") == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # this CPU's own
+    synchronize("cpu")  # nothing queued on the CPU: returns at once
+    assert memory_in_use("cpu") is None
+    assert gpu_count() == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
+def test_triton_mode_switches_the_interpreter_on_without_a_gpu() -> None:
+    from llm_runtime.device import triton_mode
+
+    environ: dict[str, str] = {}
+    mode = triton_mode(environ)
+    if mode == "runs in its interpreter (TRITON_INTERPRET=1)":
+        assert environ == {"TRITON_INTERPRET": "1"} and not torch.cuda.is_available()
+    else:
+        assert environ == {} and mode in ("not installed", "compiles for the GPU")

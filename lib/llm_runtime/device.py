@@ -14,8 +14,9 @@ dtypes, its kernels, more memory than it has), so a CPU run catches a lesson tha
 
 from __future__ import annotations
 
+import importlib.util
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +115,53 @@ def device_profile(device: torch.device | str = "cpu", environ: Mapping[str, str
     if name not in EMULATED_PROFILES:
         raise ValueError(f"{DEVICE_PROFILE_ENV} must be one of cpu, {', '.join(EMULATED_PROFILES)}, got {name!r}")
     return EMULATED_PROFILES[name]
+
+
+def has_fast_bfloat16(device: torch.device | str) -> bool:
+    """Whether `device` computes in bfloat16 in hardware: a GPU from Ampere on (or the CPU playing one; a T4 does
+    not, whatever `torch.cuda.is_bf16_supported()` says, since that counts emulation), or a CPU with AVX-512 BF16
+    or AMX (oneDNN's own check)."""
+    profile = device_profile(device)
+    if profile.is_gpu:
+        return profile.supports_bfloat16
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait until the work queued on `device` is done (a GPU runs kernels asynchronously: time a call only after
+    this); nothing to wait for on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gpu_count() -> int:
+    """How many CUDA GPUs this process sees (0 on a CPU-only machine, whatever profile the CPU plays)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def memory_in_use(device: torch.device | str) -> tuple[int, int] | None:
+    """(allocated, reserved) bytes of PyTorch's caching allocator on a GPU; None on the CPU, whose memory a
+    process's resident size measures instead."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+
+
+def triton_mode(environ: MutableMapping[str, str] | None = None) -> str:
+    """How this package's Triton kernels run here: "not installed", "compiles for the GPU", or, without a GPU,
+    "runs in its interpreter", for which this sets TRITON_INTERPRET=1 in `environ` (the process's environment by
+    default). Triton reads it when a kernel is decorated, so call this before anything imports Triton (importing
+    llm_runtime does not)."""
+    environ = os.environ if environ is None else environ
+    if importlib.util.find_spec("triton") is None:
+        return "not installed"
+    if torch.cuda.is_available():
+        return "compiles for the GPU"
+    environ["TRITON_INTERPRET"] = "1"
+    return "runs in its interpreter (TRITON_INTERPRET=1)"
+
 
 def cpu_target(environ: Mapping[str, str] | None = None) -> str:
     """The -march the package's C kernels are built for: "native" (this CPU's instructions), or with

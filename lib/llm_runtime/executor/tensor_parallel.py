@@ -78,6 +78,8 @@ class TensorParallelExecutor(Executor):
 
     def _attach(self, runner: ModelRunner) -> None:
         assert self.workers is not None
+        if runner.graphs is not None or runner.native is not None:  # the plan chooses neither under TP
+            raise RuntimeError("a tensor-parallel runner replays no CUDA graph and runs no native step")
         runner.channel = self.workers.channel  # each step's inputs go to the other ranks, which compute it too
 
     def _patience(self) -> contextlib.AbstractContextManager[object] | None:

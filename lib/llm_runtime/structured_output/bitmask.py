@@ -28,12 +28,11 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     (B, V). (The input may be a CUDA graph's output buffer: its next replay writes it anew.)"""
     if not rows:
         return logits
-    # On CUDA both copies come from pinned host memory, so they are queued behind the forward pass without
-    # waiting for it: a copy from pageable memory would block the host until the stream is done, and the time
-    # the mask work hides behind would be lost (the step profile would also charge it to the grammar).
-    pinned = logits.device.type == "cuda"
-    if pinned and not bitmask.is_pinned():
-        bitmask = bitmask.pin_memory()
+    # A caller on CUDA passes a mask in pinned host memory (`allocate_bitmask(..., pin_memory=True)`), and both
+    # copies then come from pinned memory, queued behind the forward pass without waiting for it: a copy from
+    # pageable memory would block the host until the stream is done, and the time the mask work hides behind
+    # would be lost (the step profile would also charge it to the grammar). Any mask gives the same logits.
+    pinned = bitmask.is_pinned()
     refused = ~unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[1])  # (R, V)
     first = rows[0]
     if rows == list(range(first, first + len(rows))):

@@ -86,15 +86,19 @@ class InputBuffers:
     def __init__(self, device: torch.device | str, block_size: int, capacity: int = 1 << 14) -> None:
         self.device = torch.device(device)
         self.block_size = block_size
+        # Decided here, once: on CUDA the host buffers are pinned and each copy is followed by an event; elsewhere
+        # (the CPU, or `meta` in tests) a copy has read its source before it returns.
+        self.pinned = self.device.type == "cuda"
+        self.separate = self.device.type != "cpu"  # the device has its own buffer, else the views are the host's
         self.capacity = 0
         self.num_allocations = 0  # how often the buffers were (re)allocated: once, unless a step outgrew them
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
-        separate = self.device.type != "cpu"
+        separate = self.separate
         # Two host buffers where a copy to the device reads them asynchronously (module docstring), else one.
         # Buffers replaced here are freed safely: PyTorch's pinned allocator keeps a block until its copies ran.
-        self._hosts = [_HostBuffer(capacity, pinned=self.device.type == "cuda") for _ in range(2 if separate else 1)]
+        self._hosts = [_HostBuffer(capacity, pinned=self.pinned) for _ in range(2 if separate else 1)]
         self._turn = 0
         with torch.inference_mode():
             self.on_device = self._hosts[0].tensor if not separate else torch.zeros(
@@ -110,7 +114,7 @@ class InputBuffers:
     def _record_copy(self) -> _Event | None:
         """An event on the current stream, after the copy just enqueued (on CUDA; elsewhere a copy from pageable
         memory has read it before it returns)."""
-        if self.device.type != "cuda":
+        if not self.pinned:
             return None
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))

@@ -113,6 +113,7 @@ class ModelRunner:
         self.compiled: CompiledForward | None = None  # set by the engine when it compiles the forward pass
         self.native: NativeStep | None = None  # set by the engine when short steps run as one native call
         # Set by a tensor-parallel engine (lesson 17): each step's inputs go to the other ranks, which compute it too.
+        # Its runner has no graphs and no native step (the plan chooses neither; the executor checks).
         self.channel: StepChannel | None = None
 
     @torch.inference_mode()
@@ -127,7 +128,7 @@ class ModelRunner:
         started = time.perf_counter()
         self.kv_cache.copy_blocks(batch.block_copies)  # copy-on-write, before anyone writes this step
         model_input = self.inputs.prepare(batch)  # persistent buffers, one copy to the device (input_batch.py)
-        if self.graphs is not None and self.channel is None and self.graphs.can_run(model_input):
+        if self.graphs is not None and self.graphs.can_run(model_input):
             prepared = time.perf_counter()
             self.profile.prepare += prepared - started
             logits = self.graphs.run(model_input)  # (R, vocab): the whole forward pass in one replay
@@ -136,8 +137,7 @@ class ModelRunner:
         sampling = model_input.sampling_items
         wants_prompt_logprobs = any(item.is_prefill and item.seq.params.prompt_logprobs is not None
                                     for item in batch.items)  # they need every position's hidden state
-        if (self.native is not None and self.channel is None and not wants_prompt_logprobs
-                and self.native.can_run(model_input)):
+        if self.native is not None and not wants_prompt_logprobs and self.native.can_run(model_input):
             prepared = time.perf_counter()
             self.profile.prepare += prepared - started
             logits = self.native.run(model_input)  # (R, vocab): the whole forward pass in one native call
@@ -265,7 +265,7 @@ class ModelRunner:
         started = time.perf_counter()
         constrained = [(item, first) for item, first in zip(items, first_rows) if item.seq.grammar is not None]
         rows = [first + r for item, first in constrained for r in range(1 + len(item.draft_token_ids))]
-        bitmask = allocate_bitmask(len(rows), logits.shape[1], pin_memory=logits.device.type == "cuda")  # (rows, W)
+        bitmask = allocate_bitmask(len(rows), logits.shape[1], pin_memory=self.inputs.pinned)  # (rows, W)
         row = 0
         for item, _ in constrained:
             grammar = item.seq.grammar
