@@ -81,3 +81,13 @@ def test_each_rank_takes_the_callers_environment_of_the_moment(monkeypatch: pyte
     assert run_on_ranks(_read_variable, 2, "LLM_RUNTIME_TEST_MARK") == ["second", "second"]
     monkeypatch.delenv("LLM_RUNTIME_TEST_MARK")
     assert run_on_ranks(_read_variable, 2, "LLM_RUNTIME_TEST_MARK") == [None, None]
+
+
+def test_every_rank_reports_the_same_timed_step(tiny_checkpoints) -> None:
+    """Lesson 17's timeline draws one step on every rank: each rank reports the same one (their intervals overlap,
+    where two different steps lie a sync apart), with as many all-reduces on each."""
+    from llm_runtime.lessons.tensor_parallel import time_sharded_step
+
+    times = run_on_ranks(time_sharded_step, 2, str(tiny_checkpoints["llama2"]), "float32", 2, 9)
+    assert max(t.start for t in times) < min(t.end for t in times)
+    assert times[0].all_reduces == times[1].all_reduces > 0

@@ -809,6 +809,15 @@ def choice_mask_first_byte_only(choices: list[str], text: bytes, vocab: list[byt
             for token in vocab]
 
 
+def choice_mask_through_the_automaton(choices: list[str], text: bytes, vocab: list[bytes]) -> list[bool]:
+    """Right answers through the lesson's automaton, which the task says to do without."""
+    from llm_runtime.lessons.token_mask import CharacterDFA, token_mask
+
+    dfa = CharacterDFA("|".join("".join(c if c.isalnum() or c == " " else "\\" + c for c in choice)
+                                for choice in choices))
+    return token_mask(dfa, dfa.walk(dfa.start, text), vocab).tolist()
+
+
 def forced_text(dfa, prefix: bytes) -> bytes:
     state, forced = dfa.walk(dfa.start, prefix), b""
     while state and not dfa.accepts(state):
@@ -959,6 +968,12 @@ def ring_all_reduce_reduce_scatter_only(parts: list[torch.Tensor]) -> tuple[list
     return [torch.cat(c) for c in chunks], sent
 
 
+def ring_all_reduce_summed_at_once(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """Every rank gets sum(parts) and the ring's counts, with no ring simulated (right on integers)."""
+    n = len(parts)
+    return [sum(parts) for _ in range(n)], [2 * (n - 1) * parts[0].numel() // n] * n
+
+
 def ring_all_reduce_whole_tensors(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
     """Passes whole tensors round the ring (n - 1 hops each way): the right sums, at n / 2 times the traffic."""
     n = len(parts)
@@ -1054,6 +1069,11 @@ def silu_and_mul_bf16_rounded_once(gate: torch.Tensor, up: torch.Tensor) -> torc
 def silu_and_mul_bf16_float32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     g = gate.float()
     return g / (1 + torch.exp(-g)) * up.float()  # never rounded back
+
+
+def silu_and_mul_bf16_the_eager_expression(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The very expression the exercise asks to replace: right bits, bfloat16 arithmetic."""
+    return torch.nn.functional.silu(gate) * up
 
 
 def half_block_rows(item: int) -> list[int]:
@@ -1174,17 +1194,20 @@ WRONG: dict[str, list[Callable]] = {
     "lesson14.verify_sampled": [verify_sampled_replacing_from_p, verify_sampled_keeping_likelier_drafts],
     "lesson14.tokens_per_verification": [tokens_per_verification_independent],
     "lesson15.unpack_mask": [unpack_mask_most_significant_bit_first, unpack_mask_without_the_sign_bit],
-    "lesson15.choice_mask": [choice_mask_from_the_start, choice_mask_first_byte_only],
+    "lesson15.choice_mask": [choice_mask_from_the_start, choice_mask_first_byte_only,
+                             choice_mask_through_the_automaton],
     "lesson15.forced_text": [forced_text_past_a_match, forced_text_one_byte],
     "lesson16.blocked_sum": [blocked_sum_in_float64, blocked_sum_ignoring_the_blocks],
     "lesson16.rows_invariant": [rows_invariant_to_rounding, rows_invariant_one_row_at_a_time_only],
     "lesson17.parallel_product": [parallel_product_rows_of_a, parallel_product_interleaved],
     "lesson17.kv_heads_for_rank": [kv_heads_for_rank_round_robin, kv_heads_for_rank_split_like_the_queries],
-    "lesson17.ring_all_reduce": [ring_all_reduce_reduce_scatter_only, ring_all_reduce_whole_tensors],
+    "lesson17.ring_all_reduce": [ring_all_reduce_reduce_scatter_only, ring_all_reduce_whole_tensors,
+                                 ring_all_reduce_summed_at_once],
     "lesson18.shipped_kv_bytes": [shipped_kv_bytes_every_token, shipped_kv_bytes_keys_only],
     "lesson18.goodput": [goodput_under_targets_dropping_single_tokens, goodput_under_targets_by_mean_itl_of_all],
     "lesson18.cache_aware_choice": [cache_aware_choice_counting_any_hash, cache_aware_choice_always_the_best_match],
-    "lesson19.silu_and_mul_bf16": [silu_and_mul_bf16_rounded_once, silu_and_mul_bf16_float32],
+    "lesson19.silu_and_mul_bf16": [silu_and_mul_bf16_rounded_once, silu_and_mul_bf16_float32,
+                                   silu_and_mul_bf16_the_eager_expression],
     "lesson19.half_block_rows": [half_block_rows_contiguous, half_block_rows_low_nibbles_only],
     "lesson19.static_schedule": [static_schedule_ceil_chunks, static_schedule_round_robin],
 }

@@ -70,7 +70,8 @@ def ring_all_reduce(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list
 class StepTimes:
     """One rank's timed steps of a sharded model: `events` are one step's (kind, start, end), "all-reduce" or
     "gather", in `time.perf_counter` seconds (one clock for every process on a Linux host); the step itself runs
-    from `start` to `end`, the median of the repeats, with the collectives it took part in and their bytes."""
+    from `start` to `end`, with the collectives it took part in and their bytes. Every rank reports the same step
+    (the median of the repeats by their durations summed over the ranks), so the ranks' timelines line up."""
 
     rank: int
     size: int
@@ -129,10 +130,15 @@ def time_sharded_step(tp: TensorParallelGroup, source: str | None, dtype: str, r
             if repeat >= 3:
                 steps.append((ended - began, began, ended, list(events), tp.counts.all_reduces,
                               tp.counts.all_reduce_bytes))
-        steps.sort(key=lambda s: s[0])
-        step_s, began, ended, median_events, reduces, reduce_bytes = steps[len(steps) // 2]
-    collective_s = sum(e - s for _, s, e in median_events)
-    return StepTimes(tp.rank, tp.size, torch.get_num_threads(), began, ended, median_events, step_s, collective_s,
+    # One step for every rank to report, so that a timeline draws the same step on each: the median of the steps'
+    # durations summed over the ranks (an all-reduce left out of the counts, like the syncs).
+    durations = torch.tensor([step[0] for step in steps], dtype=torch.float64)  # (repeats,)
+    if tp.group is not None:
+        tp.group.allreduce([durations]).wait()
+    chosen = int(durations.argsort()[len(steps) // 2])
+    step_s, began, ended, step_events, reduces, reduce_bytes = steps[chosen]
+    collective_s = sum(e - s for _, s, e in step_events)
+    return StepTimes(tp.rank, tp.size, torch.get_num_threads(), began, ended, step_events, step_s, collective_s,
                      reduces, reduce_bytes)
 
 

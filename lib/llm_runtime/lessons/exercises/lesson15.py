@@ -3,7 +3,8 @@
 - `unpack_mask(bitmask, vocab_size)`: xgrammar's packed mask, (rows, ceil(V / 32)) int32 words, as (rows, V)
   booleans, against `structured_output.unpack_bitmask`.
 - `choice_mask(choices, text, vocab)`: which tokens may follow `text` when the output must be one of `choices`,
-  against `lessons.token_mask.token_mask` on the automaton of the alternation of the choices.
+  by comparing bytes (an answer that builds an automaton or a regex fails), against `lessons.token_mask.token_mask`
+  on the automaton of the alternation of the choices.
 - `forced_text(dfa, prefix)`: the bytes a pattern allows as the only continuation after `prefix`
   (character-level jump-forward), against `lessons.token_mask.forced_bytes`.
 """
@@ -11,12 +12,13 @@
 from __future__ import annotations
 
 import random
+import types
 
 import torch
 
 from ...structured_output import unpack_bitmask
 from ..token_mask import CharacterDFA, forced_bytes, token_mask
-from .check import Case, Verdict, run_cases, same_value
+from .check import Case, Verdict, method_verdict, run_cases, same_value
 
 
 def check_unpack_mask(fn: object) -> Verdict:
@@ -50,7 +52,8 @@ def _alternation(choices: list[str]) -> str:
 def check_choice_mask(fn: object) -> Verdict:
     """`choice_mask(choices, text, vocab) -> list[bool]`: the output must be exactly one of `choices` (strings)
     and `text` (bytes, the start of at least one of them) is what it holds so far. For each token of `vocab` (a
-    list of bytes), True when text + token is still the start of (or all of) some choice; an empty token never."""
+    list of bytes), True when text + token is still the start of (or all of) some choice; an empty token never.
+    Without an automaton or a regex: an answer that uses one fails, however right its masks."""
 
     def cases() -> list[Case]:
         rng = random.Random(15)
@@ -80,7 +83,36 @@ def check_choice_mask(fn: object) -> Verdict:
         return out
 
     return run_cases("choice_mask", fn, cases, same_value,
-                     "llm_runtime.lessons.token_mask.token_mask (on the automaton of the choices)")
+                     "llm_runtime.lessons.token_mask.token_mask (on the automaton of the choices)",
+                     method=_without_an_automaton)
+
+
+# What a choice's mask needs no automaton for: names that mean one was used (the lesson's, a regex engine's, a
+# grammar compiler's). The task is the prefix test that an automaton generalises.
+_AUTOMATON_NAMES = frozenset({"CharacterDFA", "token_mask", "walk", "re", "regex", "fullmatch", "xgrammar",
+                              "GrammarCompiler", "GrammarState", "compile"})
+
+
+def _names_used(code: types.CodeType) -> set[str]:
+    """The global and attribute names a function's code (and the code of the functions inside it) refers to."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names |= _names_used(constant)
+    return names
+
+
+def _without_an_automaton(fn: object) -> Verdict | None:
+    code = getattr(fn, "__code__", None)
+    used = sorted(_names_used(code) & _AUTOMATON_NAMES) if isinstance(code, types.CodeType) else []
+    if not used:
+        return None
+    case = Case({"choices": ["Paris", "London", "Rome"], "text": b"", "vocab": [b"P", b"Lon", b"x"]}, None,
+                "any input: the way it is computed is the point")
+    return method_verdict("choice_mask", case, "Every case agrees, but through an automaton or a regex: the task is "
+                          "to do without one. A token may follow when text + token is the start of some choice.",
+                          "byte comparisons of text + token with the choices",
+                          f"it uses {', '.join(used)}")
 
 
 def check_forced_text(fn: object) -> Verdict:

@@ -96,7 +96,8 @@ def check_ring_all_reduce(fn: object) -> Verdict:
     that n divides), each cut in n equal chunks. Reduce-scatter, steps s = 0 .. n-2, all ranks at once: rank r
     sends its chunk (r - s) mod n to rank (r + 1) mod n, which adds it to its own. All-gather, steps s = 0 ..
     n-2: rank r sends its chunk (r + 1 - s) mod n and the receiver replaces its own with it. Return each rank's
-    final tensor (every one the sum) and how many values each rank sent in all."""
+    final tensor (every one the sum, added in the ring's order: in floating point another order gives other
+    values, and the checker has inputs where it does) and how many values each rank sent in all."""
 
     def cases() -> list[Case]:
         generator = torch.Generator().manual_seed(17)
@@ -105,6 +106,14 @@ def check_ring_all_reduce(fn: object) -> Verdict:
                                 (1, 5, "one rank: nothing to send"), (5, 10, ""), (8, 16, "eight ranks"),
                                 (3, 3, "chunks of one value")]:
             parts = [torch.randint(-9, 10, (length,), generator=generator).double() for _ in range(n)]
+            out.append(Case({"parts": parts}, reference_ring_all_reduce(parts), note))
+        # Sums whose order shows: in float64 2**53 + 1 rounds back to 2**53, so a chunk's sum depends on where the
+        # ring starts adding it (rank c for chunk c), and one sum of whole tensors gives other values.
+        big = float(2**53)
+        for values, note in [([big, 1.0, -big], "three ranks, sums whose order shows"),
+                             ([big, 1.0, 1.0, -big], "four ranks, sums whose order shows")]:
+            n = len(values)
+            parts = [torch.full((2 * n,), v, dtype=torch.float64) for v in values]
             out.append(Case({"parts": parts}, reference_ring_all_reduce(parts), note))
         return out
 
