@@ -28,6 +28,7 @@ import torch
 
 from ..config import ModelConfig
 from ..cache_dir import default_cache_dir
+from ..device import synchronize
 
 
 def linear_parameters(config: ModelConfig) -> int:
@@ -68,23 +69,18 @@ class MachinePeaks:
         return self.matmul_flops / self.memory_bandwidth
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _best_time(fn, repeats: int, device: torch.device, budget_s: float = 3.0) -> float:
     """The fastest of `repeats` timed runs after a warm-up; after three, no more once `budget_s` is spent (a
     dtype the device has no fast kernel for, float16 on most CPUs, takes seconds a run)."""
     fn()  # warm-up
-    _synchronize(device)
+    synchronize(device)
     best, started = float("inf"), time.perf_counter()
     for repeat in range(repeats):
         if repeat >= 3 and time.perf_counter() - started > budget_s:
             break
         start = time.perf_counter()
         fn()
-        _synchronize(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best
 

@@ -95,13 +95,12 @@ class InputBuffers:
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
-        separate = self.separate
         # Two host buffers where a copy to the device reads them asynchronously (module docstring), else one.
         # Buffers replaced here are freed safely: PyTorch's pinned allocator keeps a block until its copies ran.
-        self._hosts = [_HostBuffer(capacity, pinned=self.pinned) for _ in range(2 if separate else 1)]
+        self._hosts = [_HostBuffer(capacity, pinned=self.pinned) for _ in range(2 if self.separate else 1)]
         self._turn = 0
         with torch.inference_mode():
-            self.on_device = self._hosts[0].tensor if not separate else torch.zeros(
+            self.on_device = self._hosts[0].tensor if not self.separate else torch.zeros(
                 capacity, dtype=torch.int64, device=self.device)
         self.capacity = capacity
         self.num_allocations += 1

@@ -18,6 +18,7 @@ from ...model.pointwise import silu_and_mul
 from ..decode_limit import half_block_rows as reference_half_block_rows
 from ..decode_limit import static_schedule as reference_static_schedule
 from .check import Case, Verdict, method_verdict, run_cases, same_value
+from .operators import record_operators
 
 
 def _bitwise(expected: torch.Tensor, got: Any) -> str | None:
@@ -62,25 +63,9 @@ _NO_ARITHMETIC = frozenset({"_to_copy", "to", "clone", "copy_", "detach", "alias
 
 def _bfloat16_arithmetic(fn: Any, gate: torch.Tensor, up: torch.Tensor) -> list[str]:
     """The ATen operators `fn(gate, up)` runs with a bfloat16 input that are arithmetic (not a copy or a cast)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    class Recorder(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.found: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            kwargs = kwargs or {}
-            name = func.overloadpacket.__name__
-            if name not in _NO_ARITHMETIC and name not in self.found and any(
-                    isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in tree_leaves((args, kwargs))):
-                self.found.append(name)
-            return func(*args, **kwargs)
-
-    with Recorder() as recorder:
-        fn(gate, up)
-    return recorder.found
+    _, calls = record_operators(fn, gate, up)
+    return list(dict.fromkeys(call.name for call in calls
+                              if torch.bfloat16 in call.input_dtypes and call.name not in _NO_ARITHMETIC))
 
 
 def _arithmetic_in_float32(fn: Any) -> Verdict | None:

@@ -22,12 +22,13 @@ MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "dot", "vdo
 
 @dataclass(frozen=True)
 class OperatorCall:
-    """One ATen call: its name (without the namespace and overload), the storages of its tensor inputs,
+    """One ATen call: its name (without the namespace and overload), the storages and dtypes of its tensor inputs,
     and for each tensor output its element count and storage (a view shares its input's storage)."""
 
     name: str
     input_storages: frozenset[int]
     outputs: tuple[tuple[int, int], ...]  # (numel, storage pointer)
+    input_dtypes: frozenset[torch.dtype] = frozenset()
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -41,9 +42,10 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (PyTorch's protocol)
         out = func(*args, **(kwargs or {}))
-        inputs = frozenset(_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outputs = tuple((t.numel(), _storage(t)) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-        self.calls.append(OperatorCall(func.overloadpacket.__name__, inputs, outputs))
+        self.calls.append(OperatorCall(func.overloadpacket.__name__, frozenset(map(_storage, tensors)), outputs,
+                                       frozenset(t.dtype for t in tensors)))
         return out
 
 
