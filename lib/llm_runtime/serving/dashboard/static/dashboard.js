@@ -9,7 +9,8 @@ const MAX_KEPT = 400;       // finished requests remembered
 const ROW = 18, LABEL = 90, NOTE = 300;
 
 const view = {
-  hello: null, steps: [], requests: new Map(), kv: null, owners: new Map(), counters: {},
+  hello: null, steps: [], requests: new Map(), kv: null, kvCounts: null, owners: new Map(), counters: {},
+  selected: null,  // the request whose blocks are outlined (the one under the pointer, in the pool or the timeline)
   updates: 0, draws: 0, drawMs: 0, errors: 0, frameMs: Number(new URLSearchParams(location.search).get("frame_ms") || 0), lastTime: 0, rates: {steps: 0, tokens: 0, updates: 0},
 };
 window.dashboard = view;
@@ -62,6 +63,13 @@ function extend(r, kind, t0, t1) {
 
 function applyState(e) {
   view.lastTime = e.time;
+  if (view.firstState) {  // requests that ran before this page subscribed (their steps were never sent here): one
+    view.firstState = false;  // span each, from their first token to the first step this page is told about
+    const seenFrom = e.steps.length ? e.steps[0].start : e.time;
+    for (const s of e.running) {
+      if (s.first_token !== null && s.first_token < seenFrom) extend(request(s.id, s.arrival), "earlier", s.first_token, seenFrom);
+    }
+  }
   for (const step of e.steps) {
     let prefill = 0, decode = 0, proposed = 0, kept = 0;
     const t1 = step.start + step.duration_ms / 1000;
@@ -108,7 +116,12 @@ function applyState(e) {
   // Owners: the first running sequence whose table holds the block.
   view.owners = new Map();
   for (const s of e.running) for (const b of s.blocks) if (!view.owners.has(b)) view.owners.set(b, s.id);
-  if (e.kv) view.kv = e.kv;  // (a large pool's states come less often than the events)
+  if (e.kv) {  // (a large pool's states come less often than the events)
+    view.kv = e.kv;
+    const counts = {".": 0, "c": 0, "u": 0, "s": 0};
+    for (const state of e.kv.states) counts[state]++;
+    view.kvCounts = counts;  // the header's and the pool's figures both come from these
+  }
   view.counters = e.counters;
   const done = [...view.requests.values()].filter(r => r.end !== null);
   for (const r of done.slice(0, Math.max(0, done.length - MAX_KEPT))) view.requests.delete(r.id);
@@ -165,7 +178,8 @@ function sizeCanvas(canvas) {
 function drawCounters() {  // in place: only the numbers' text changes
   const c = view.counters, h = view.hello, kv = view.kv;
   const items = [["running", c.running], ["waiting", c.waiting], ["preemptions", c.preemptions],
-    ["KV used", kv ? `${kv.num_blocks - c.free_blocks} / ${kv.num_blocks}` : "–"],
+    ["KV in use", kv ? `${view.kvCounts.u + view.kvCounts.s} / ${kv.num_blocks}` : "–"],
+    ["KV cached", kv ? view.kvCounts.c : "–"],
     ["prefix hits", c.prefix_queried_tokens ? `${(100 * c.prefix_hit_tokens / c.prefix_queried_tokens).toFixed(1)} %` : "–"],
     ["steps", c.steps], ["steps/s", view.rates.steps.toFixed(1)], ["tokens run/s", view.rates.tokens.toFixed(0)],
     ["last step", view.steps.length ? `${view.steps[view.steps.length - 1].ms.toFixed(1)} ms` : "–"],
@@ -230,6 +244,21 @@ function kvGrid(width, height, n) {
   const columns = Math.floor(width / size);
   return {size, columns, height: Math.max(height, Math.ceil(n / columns) * size)};
 }
+view.kvBlockAt = (x, y) => {  // the block under CSS pixel (x, y) of the KV canvas, or null
+  const canvas = document.getElementById("kv-canvas"), kv = view.kv;
+  if (!kv) return null;
+  const g = kvGrid(canvas.clientWidth, Number(canvas.dataset.height), kv.num_blocks);
+  const column = Math.floor(x / g.size), b = Math.floor(y / g.size) * g.columns + column;
+  return column < g.columns && b >= 0 && b < kv.num_blocks ? b : null;
+};
+const STATE_NAMES = {".": "free", "c": "cached prefix, no holder", "u": "in use", "s": "shared"};
+view.describeBlock = b => {  // what the pool's hover line says about block b
+  const kv = view.kv, owner = view.owners.get(b);
+  if (!kv || b === null) return "";
+  const holders = owner === undefined ? "" : ` · held by ${owner}` + (kv.states[b] === "s" ? " and others" : "") +
+    ` (${view.requests.get(owner)?.blocks ?? "?"} blocks, outlined)`;
+  return `block ${b} · ${STATE_NAMES[kv.states[b]]}${holders}`;
+};
 view.kvCell = b => {  // the centre of block b on the KV canvas, in CSS pixels
   const canvas = document.getElementById("kv-canvas"), kv = view.kv;
   const g = kvGrid(canvas.clientWidth, Number(canvas.dataset.height), kv.num_blocks);
@@ -237,7 +266,8 @@ view.kvCell = b => {  // the centre of block b on the KV canvas, in CSS pixels
 };
 
 // The pool changes a few blocks a step: only blocks whose state or owner changed since the last frame are painted
-// again (the whole grid when the canvas or the pool changed shape), which keeps each frame's work small.
+// again (the whole grid when the canvas or the pool changed shape, or another request is selected), which keeps each
+// frame's work small. A block's colour is its state; the selected request's blocks are outlined in its colour.
 let kvDrawn = null;
 function drawKV() {
   const kv = view.kv;
@@ -250,28 +280,27 @@ function drawKV() {
     canvas.style.height = `${g.height}px`;
     [ctx, width, height, resized] = sizeCanvas(canvas);
   }
-  const fill = {".": styles.getPropertyValue("--free"), "c": styles.getPropertyValue("--cached")};
-  const counts = {".": 0, "c": 0, "u": 0, "s": 0};
-  const gap = g.size > 4 ? 1 : 0, mark = Math.max(1, Math.floor(g.size / 3));
+  const fill = {".": styles.getPropertyValue("--free"), "c": styles.getPropertyValue("--cached"),
+                "u": styles.getPropertyValue("--used"), "s": styles.getPropertyValue("--shared")};
+  const gap = g.size > 4 ? 1 : 0, line = Math.max(1, Math.floor(g.size / 5)), selected = view.selected;
   const whole = resized || !kvDrawn || kvDrawn.size !== g.size || kvDrawn.columns !== g.columns ||
-    kvDrawn.owners.length !== kv.num_blocks;
+    kvDrawn.owners.length !== kv.num_blocks || kvDrawn.selected !== selected;
   if (whole) ctx.clearRect(0, 0, width, height);
   const owners = new Array(kv.num_blocks);
   for (let b = 0; b < kv.num_blocks; b++) {
     const state = kv.states[b], owner = view.owners.get(b) ?? null;
-    counts[state]++;
     owners[b] = owner;
     if (!whole && kvDrawn.states[b] === state && kvDrawn.owners[b] === owner) continue;
     const x = (b % g.columns) * g.size, y = Math.floor(b / g.columns) * g.size;
-    ctx.fillStyle = fill[state] || (owner ? view.colourOf(owner) : "#888");
+    ctx.fillStyle = fill[state] || "#888";
     ctx.fillRect(x, y, g.size - gap, g.size - gap);
-    if (state === "s" && g.size >= 4) {  // shared: a dark corner mark
-      ctx.fillStyle = "#111";
-      ctx.fillRect(x, y, mark, mark);
+    if (selected !== null && owner === selected && g.size >= 4) {  // the selected request's: outlined in its colour
+      ctx.strokeStyle = view.colourOf(owner); ctx.lineWidth = line;
+      ctx.strokeRect(x + line / 2, y + line / 2, g.size - gap - line, g.size - gap - line);
     }
   }
-  kvDrawn = {states: kv.states, owners, size: g.size, columns: g.columns};
-  view.kvCounts = counts;
+  kvDrawn = {states: kv.states, owners, size: g.size, columns: g.columns, selected};
+  const counts = view.kvCounts;
   const summary = `${kv.num_blocks} blocks of ${kv.block_size} tokens: ${counts.u} in use, ${counts.s} shared, ` +
     `${counts.c} cached, ${counts["."]} free`;
   const element = document.getElementById("kv-summary");
@@ -290,9 +319,12 @@ function drawTimeline() {
   const styles = getComputedStyle(document.documentElement), colour = name => styles.getPropertyValue(name);
   ctx.font = "11px system-ui, sans-serif";
   ctx.fillStyle = colour("--muted");
-  ctx.fillText(rows.length ? `last ${span.toFixed(1)} s` : "no requests yet: send some", LABEL, 10);
+  const idle = view.counters.steps ? `no requests since this page opened (the engine ran ${view.counters.steps} ` +
+    "steps before): send some" : "no requests yet: send some";
+  ctx.fillText(rows.length ? `last ${span.toFixed(1)} s` : idle, LABEL, 10);
   view.rows = rows.map((r, i) => {
     const y = 16 + i * ROW, firstStart = r.segments.length ? r.segments[0].t0 : (r.end ?? now);
+    if (r.id === view.selected) { ctx.fillStyle = "#eef3fb"; ctx.fillRect(0, y, width, ROW); }
     ctx.fillStyle = view.colourOf(r.id);
     ctx.fillRect(2, y + 3, 8, 8);
     ctx.fillStyle = colour("--ink");
@@ -327,6 +359,24 @@ setInterval(() => {
   schedule();
 }, 1000);
 
+// -------------------------------------------------------------------------------- pointing at a request
+// The pool is coloured by state; pointing at a block names its holder and outlines that request's blocks, and
+// pointing at a request's row in the timeline outlines its blocks too.
+function select(id, text) {
+  document.getElementById("kv-hover").textContent = text;
+  if (view.selected !== id) { view.selected = id; view.redraw(); }
+}
+const kvCanvas = document.getElementById("kv-canvas"), timelineCanvas = document.getElementById("timeline-canvas");
+kvCanvas.addEventListener("mousemove", event => {
+  const b = view.kvBlockAt(event.offsetX, event.offsetY);
+  select(b === null ? null : view.owners.get(b) ?? null, b === null ? "" : view.describeBlock(b));
+});
+timelineCanvas.addEventListener("mousemove", event => {
+  const row = (view.rows || [])[Math.floor((event.offsetY - 16) / ROW)];
+  select(row ? row.id : null, row ? `${row.id}: ${row.blocks} blocks, outlined` : "");
+});
+for (const canvas of [kvCanvas, timelineCanvas]) canvas.addEventListener("mouseleave", () => select(null, ""));
+
 function connect() {
   const params = new URLSearchParams(location.search);
   // A server with --api-key wants it on the feed too; EventSource sends no headers, so it goes in the query.
@@ -337,7 +387,8 @@ function connect() {
   source.addEventListener("hello", message => {  // (again after a reconnect: the server may be another one)
     const hello = JSON.parse(message.data);
     view.hello = hello; view.steps = []; view.requests = new Map(); view.owners = new Map();
-    view.kv = null; view.counters = {}; view.lastTime = hello.time; kvDrawn = null;
+    view.kv = null; view.kvCounts = null; view.selected = null; view.firstState = true; view.counters = {}; view.lastTime = hello.time;
+    kvDrawn = null;
     previous = {time: performance.now(), steps: 0, updates: view.updates, tokens: tokensSeen};
     document.getElementById("model").textContent =
       `${hello.model} · ${hello.device} · ${hello.num_blocks} KV blocks · budget ${hello.max_num_batched_tokens} tokens` +
