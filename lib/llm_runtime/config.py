@@ -178,9 +178,12 @@ class SpeculativeConfig:
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
         {"method": "draft", "model": "<folder or hub id>", "num_speculative_tokens": 3}
         {"method": "draft", "model": "self", "quantization": "gguf", "num_speculative_tokens": 3}
+        {"method": "draft", "model": "self", "num_layers": 24, "num_speculative_tokens": 3}
 
     `"model": "self"` drafts with the target's own weights loaded again, quantized by `quantization` (on the
-    CPU, the bundled model's own 4-bit copy: the same tokenizer, a fraction of the bytes per step).
+    CPU, the bundled model's own 4-bit copy: the same tokenizer, a fraction of the bytes per step). `num_layers`
+    keeps only the draft's first layers, then its final norm and head (early exit, the draft of LayerSkip's
+    self-speculation); "self" without a quantization then shares the target's own modules: no second copy.
     """
 
     method: str
@@ -189,6 +192,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None  # ngram: the shortest
     model: str | None = None  # draft: a folder, a hub id, or "self"
     quantization: str | None = None  # draft: how the draft model's weights are loaded (lesson 13)
+    num_layers: int | None = None  # draft: keep its first num_layers layers (early exit); None: all of them
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -197,8 +201,8 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, "
                              f"got {self.num_speculative_tokens!r}")
         if self.method == "ngram":
-            if self.model is not None or self.quantization is not None:
-                raise ValueError("an ngram proposer takes no model or quantization")
+            if self.model is not None or self.quantization is not None or self.num_layers is not None:
+                raise ValueError("an ngram proposer takes no model, quantization or num_layers")
             lookup_max = 4 if self.prompt_lookup_max is None else self.prompt_lookup_max
             lookup_min = 1 if self.prompt_lookup_min is None else self.prompt_lookup_min
             if not (isinstance(lookup_max, int) and isinstance(lookup_min, int) and 1 <= lookup_min <= lookup_max):
@@ -211,6 +215,9 @@ class SpeculativeConfig:
                 raise ValueError('a draft proposer needs "model": a folder, a hub id, or "self"')
             if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
                 raise ValueError("prompt_lookup_max and prompt_lookup_min are for the ngram method")
+            if self.num_layers is not None and (isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int)
+                                                or self.num_layers < 1):
+                raise ValueError(f"num_layers must be a positive integer, got {self.num_layers!r}")
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | Mapping[str, Any] | None") -> "SpeculativeConfig | None":

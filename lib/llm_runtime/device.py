@@ -39,6 +39,10 @@ class DeviceProfile:
     # what an engine may hold beside the CPU's budget (engine/kv_budget.check_profile_memory).
     memory_bytes: int | None = None
     emulated: bool = False
+    # A played GPU's datasheet peaks (dense matmul FLOP/s per dtype, memory bandwidth in bytes/s): the roofline of a
+    # CPU run that plays it is the GPU's (bench/roofline.machine_peaks), not the CPU's in a dtype it has no units for.
+    datasheet_flops: tuple[tuple[str, float], ...] = ()
+    datasheet_bandwidth: float | None = None
 
     @property
     def is_gpu(self) -> bool:
@@ -95,9 +99,14 @@ class DeviceProfile:
 
 # The GPUs a reader has, as a CPU run can play them: their compute capability and memory.
 EMULATED_PROFILES: dict[str, DeviceProfile] = {
-    "t4": DeviceProfile("T4", (7, 5), 15 * 2**30, emulated=True),
-    "a100": DeviceProfile("A100", (8, 0), 40 * 2**30, emulated=True),
-    "h100": DeviceProfile("H100", (9, 0), 80 * 2**30, emulated=True),
+    "t4": DeviceProfile("T4", (7, 5), 15 * 2**30, emulated=True,
+                        datasheet_flops=(("float16", 65e12), ("float32", 8.1e12)), datasheet_bandwidth=320e9),
+    "a100": DeviceProfile("A100", (8, 0), 40 * 2**30, emulated=True,
+                          datasheet_flops=(("bfloat16", 312e12), ("float16", 312e12), ("float32", 19.5e12)),
+                          datasheet_bandwidth=1.555e12),
+    "h100": DeviceProfile("H100", (9, 0), 80 * 2**30, emulated=True,  # SXM
+                          datasheet_flops=(("bfloat16", 989e12), ("float16", 989e12), ("float32", 67e12)),
+                          datasheet_bandwidth=3.35e12),
 }
 CPU_PROFILE = DeviceProfile("CPU")
 

@@ -426,3 +426,33 @@ def test_the_draft_runs_on_a_backend_that_takes_its_dtype(tiny_pairs) -> None:
                        draft_model=tiny_pairs["llama2"][0])
     assert engine.attention_backend.name == "cpu" and engine.proposer.attention_backend.name != "cpu"
     assert len(_finals(engine, [([5, 6, 7], SamplingParams(temperature=0, max_tokens=6))])["0"].outputs[0].token_ids) == 6
+
+
+def test_an_early_exit_draft_shares_the_targets_layers_and_keeps_its_output(tiny_pairs) -> None:
+    """`{"model": "self", "num_layers": n}`: the target's first n layers, its norm and head as the draft (LayerSkip's
+    self-speculation): the very modules, not a copy (the device ledger counts the weights once), a draft pool of
+    n layers, and the greedy output the engine's without speculation; a cut that keeps no layer or every layer is
+    refused by name."""
+    from llm_runtime.worker.kv_budget import CPU_DEVICE, tensor_bytes
+
+    model, _ = tiny_pairs["llama3"]
+    workload = repetitive_workload(model.config.vocab_size, 8, seed=13)
+    expected = run_all(LLMEngine(model, None, EngineConfig(num_kv_blocks=256)), workload)
+    early = {"method": "draft", "model": "self", "num_layers": 1, "num_speculative_tokens": 3}
+    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=256, speculative_config=early))
+    draft = engine.proposer.model
+    assert draft.config.num_layers == 1 and draft.model.layers[0] is model.model.layers[0]
+    assert draft.lm_head is model.lm_head and len(engine.proposer.kv_cache.keys) == 1
+    assert CPU_DEVICE.held_bytes(model.device) < engine.kv_pool_bytes + 2 * tensor_bytes(model)  # weights once
+    assert run_all(engine, workload) == expected
+    assert engine.stats().num_draft_tokens > 30
+    assert_no_leak(engine)
+    engine.shutdown()
+    with pytest.raises(ValueError, match="num_layers must be in"):
+        LLMEngine(model, None, EngineConfig(num_kv_blocks=8, speculative_config={
+            **early, "num_layers": model.config.num_layers}))
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="num_layers must be a positive integer"):
+            EngineConfig(speculative_config={**early, "num_layers": bad})
+    with pytest.raises(ValueError, match="ngram proposer takes no"):
+        EngineConfig(speculative_config={"method": "ngram", "num_layers": 2, "num_speculative_tokens": 2})

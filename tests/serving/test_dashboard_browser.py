@@ -66,8 +66,8 @@ OUTLINE = """() => {
   d.redraw();
   const ctx = document.getElementById("kv-canvas").getContext("2d"), ratio = window.devicePixelRatio || 1;
   const mine = [...d.owners].filter(([b, owner]) => owner === d.selected).map(([b]) => b);
-  const cell = d.kvCell(mine[0]), edge = Math.max(1, Math.floor(cell.size / 5)) / 2;
-  const [r, g, b] = ctx.getImageData(Math.round((cell.x - cell.size / 2 + edge) * ratio),
+  const cell = d.kvCell(mine[0]);  // the outline is at least 2 pixels wide: 1 pixel in from the block's edge is on it
+  const [r, g, b] = ctx.getImageData(Math.round((cell.x - cell.size / 2 + 1) * ratio),
                                      Math.round(cell.y * ratio), 1, 1).data;
   return {selected: d.selected, text: document.getElementById("kv-hover").textContent, blocks: mine.length,
           outline: `rgb(${r}, ${g}, ${b})`, colour: d.colourOf(d.selected)};

@@ -11,7 +11,9 @@ this machine (`measure_peaks`).
 the thread count the engine uses), kept for the process and in a file keyed by the machine (its processor or
 GPU, torch's thread count and version), so lessons run one after the other quote the same machine rather than
 each its own noisy moment. The copy bandwidth does not depend on the dtype; the matmul peak is kept per dtype.
-`machine_peaks(..., refresh=True)` measures again.
+`machine_peaks(..., refresh=True)` measures again. Where the CPU plays a GPU (LLM_RUNTIME_DEVICE_PROFILE), the peaks
+are that GPU's datasheet figures: the roofline a lesson draws is the played device's, while its timings stay the
+CPU's (which has no arithmetic units for float16: its own float16 peak would put one row right of the ridge).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 
 from ..config import ModelConfig
 from ..cache_dir import default_cache_dir
-from ..device import synchronize
+from ..device import device_profile, synchronize
 
 
 def linear_parameters(config: ModelConfig) -> int:
@@ -131,10 +133,21 @@ def machine_peaks(device: torch.device | str, dtype: torch.dtype, *, refresh: bo
     """This machine's peaks for `dtype` on `device`: measured once (`measure_peaks`, best of
     MACHINE_PEAK_REPEATS) and reused, in this process and across processes from `cache_dir`/machine_peaks.json
     (default: the package's cache folder). `refresh=True` measures again and keeps the new figures."""
+    profile = device_profile(device)
+    if profile.emulated:
+        return played_peaks(profile.name, dict(profile.datasheet_flops), profile.datasheet_bandwidth, dtype)
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if refresh:
         _cached_peaks.cache_clear()
     return _cached_peaks(str(torch.device(device)), str(dtype).removeprefix("torch."), path / PEAKS_FILE, refresh)
+
+
+def played_peaks(name: str, flops: dict[str, float], bandwidth: float | None, dtype: torch.dtype) -> MachinePeaks:
+    """A played GPU's datasheet peaks for `dtype` (its float32 figure for a dtype the datasheet does not list)."""
+    key = str(dtype).removeprefix("torch.")
+    if bandwidth is None or not flops:
+        raise ValueError(f"no datasheet peaks for the played {name}")
+    return MachinePeaks(f"{name} (datasheet; played by the CPU)", key, flops.get(key, flops["float32"]), bandwidth)
 
 
 @functools.cache

@@ -7,7 +7,8 @@ timed workloads for a CPU that plays a GPU.
 `runs_here` takes the reason a rule gave (None: allowed) and prints, when there is one, what is skipped and
 why, so a reader on a T4 (or a CPU run under `LLM_RUNTIME_DEVICE_PROFILE=t4`) reads why a cell did nothing.
 
-`workload_size(n, device)` is `n` on the device itself, and a quarter of it when the CPU plays a GPU: that run
+`timed_on_the_device(device)` says whether a lesson's timings are its device's own (not where the CPU plays a GPU),
+so a claim about speed is checked only where they are. `workload_size(n, device)` is `n` on the device itself, and a quarter of it when the CPU plays a GPU: that run
 checks the GPU's rules (what is refused, what is skipped, which dtype), and its timings are the CPU's in a dtype
 the CPU is slow in (float16 on a T4), so a smaller load tells as much.
 """
@@ -29,6 +30,13 @@ def runs_here(reason: str | None, what: str, report: Callable[[str], None] = pri
         return True
     report(f"Skipped here: {what}. {reason[0].upper()}{reason[1:]}.")
     return False
+
+
+def timed_on_the_device(device: torch.device | str) -> bool:
+    """False where the CPU plays a GPU: a timing taken there is the CPU's (in float16 on a T4, a dtype it has no
+    arithmetic units for), so a lesson's claim about speed holds only where this is True:
+    `assert speedup > 2 or not timed_on_the_device(model.device)`."""
+    return not device_profile(device).emulated
 
 
 def workload_size(n: int, device: torch.device | str) -> int:

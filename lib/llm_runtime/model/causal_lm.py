@@ -6,6 +6,7 @@ vLLM: generation only needs the last position's logits, and the vocabulary proje
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -89,6 +90,27 @@ class CausalLM(nn.Module):
         if self.tp is None:
             return logits
         return self.tp.gather_to_first(logits)[..., : self.config.vocab_size]  # padded columns dropped
+
+    def first_layers(self, num_layers: int) -> "CausalLM":
+        """This model exited early: its first `num_layers` decoder layers, then its own final norm and head (the
+        draft of self-speculation, as in LayerSkip). The modules are this model's, shared, not copied. ValueError
+        unless 1 <= num_layers < its layers; a sharded model (its collectives span ranks) cannot be cut."""
+        if not 1 <= num_layers < self.config.num_layers:
+            raise ValueError(f"num_layers must be in 1..{self.config.num_layers - 1} for a model of "
+                             f"{self.config.num_layers} layers, got {num_layers}")
+        if self.tp is not None:
+            raise ValueError("a sharded model cannot be cut to its first layers: load the draft whole")
+        draft = CausalLM.__new__(CausalLM)
+        nn.Module.__init__(draft)
+        draft.config = dataclasses.replace(self.config, num_layers=num_layers)
+        draft.source, draft.tp = None, None
+        inner = Model.__new__(Model)
+        nn.Module.__init__(inner)
+        inner.embed_tokens, inner.norm, inner.rotary_emb = (self.model.embed_tokens, self.model.norm,
+                                                            self.model.rotary_emb)
+        inner.layers = nn.ModuleList(list(self.model.layers)[:num_layers])
+        draft.model, draft.lm_head = inner, self.lm_head
+        return draft
 
     def new_kv_cache(self, batch_size: int, max_seq_len: int) -> ContiguousKVCache:
         """A contiguous cache for this model, on its device and in its dtype."""

@@ -217,7 +217,11 @@ class DraftModelProposer:
 def load_draft_model(config: SpeculativeConfig, target: CausalLM) -> CausalLM:
     """The draft model a "draft" config names, on the target's device: `model` as `load_model` takes it, or
     "self" for the target's own weights loaded again (by the name the target was loaded by), each with
-    `quantization`. ValueError if its token ids cannot be the target's (another vocabulary size)."""
+    `quantization`, and cut to its first `num_layers` layers where the config says so ("self" unquantized and
+    unsharded: the target's own modules, cut; nothing is loaded). ValueError if its token ids cannot be the
+    target's (another vocabulary size), or if it has no more layers than `num_layers`."""
+    if config.model == "self" and config.quantization is None and config.num_layers is not None and target.tp is None:
+        return target.first_layers(config.num_layers)
     if config.model == "self":
         if target.source is None:
             raise ValueError('a "self" draft loads the target again by its name, and this model was not loaded '
@@ -227,7 +231,7 @@ def load_draft_model(config: SpeculativeConfig, target: CausalLM) -> CausalLM:
         name = config.model
     draft, _ = load_model(name, device=target.device, quantization=config.quantization)
     check_same_vocabulary(draft, target)
-    return draft
+    return draft if config.num_layers is None else draft.first_layers(config.num_layers)
 
 
 def check_same_vocabulary(draft: CausalLM, target: CausalLM) -> None:

@@ -146,10 +146,12 @@ function draw() {
   pending = false;
   const start = lastFrame = performance.now();
   try {
-    drawBatch(); drawKV();  // every update: the step's bar and the pool
-    if (start - lastSlowDraw >= SLOW_DRAW_MS) {  // text and the timeline's rows: a few times a second is enough
+    // Every update: the step's bar, the pool and the counters (whose KV figures count the blocks the pool draws; only
+    // the numbers whose text changed are written).
+    drawBatch(); drawKV(); drawCounters();
+    if (start - lastSlowDraw >= SLOW_DRAW_MS) {  // the timeline's rows: a few times a second is enough
       lastSlowDraw = start;
-      drawCounters(); drawTimeline();
+      drawTimeline();
     }
     view.draws++;
     view.drawMs += performance.now() - start;
@@ -282,7 +284,7 @@ function drawKV() {
   }
   const fill = {".": styles.getPropertyValue("--free"), "c": styles.getPropertyValue("--cached"),
                 "u": styles.getPropertyValue("--used"), "s": styles.getPropertyValue("--shared")};
-  const gap = g.size > 4 ? 1 : 0, line = Math.max(1, Math.floor(g.size / 5)), selected = view.selected;
+  const gap = g.size > 4 ? 1 : 0, line = Math.max(2, Math.floor(g.size / 8)), selected = view.selected;
   const whole = resized || !kvDrawn || kvDrawn.size !== g.size || kvDrawn.columns !== g.columns ||
     kvDrawn.owners.length !== kv.num_blocks || kvDrawn.selected !== selected;
   if (whole) ctx.clearRect(0, 0, width, height);
