@@ -67,3 +67,25 @@ def test_machine_peaks_are_measured_once_and_shared_by_later_processes(tmp_path,
     saved = __import__("json").loads((tmp_path / roofline.PEAKS_FILE).read_text())
     assert set(saved[key]["matmul_flops"]) == {"float32"}  # refresh starts the machine's entry afresh
     roofline._cached_peaks.cache_clear()
+
+
+def test_a_played_gpus_roofline_is_its_datasheet_and_its_timings_are_not_its_own(monkeypatch) -> None:
+    """Where the CPU plays a GPU, machine_peaks gives that GPU's datasheet (nothing is measured: the CPU's own
+    float16 peak would put one row right of the ridge), so one row is memory-bound as on the GPU; and
+    timed_on_the_device says the lesson's timings are the CPU's, not the GPU's."""
+    import torch
+
+    from llm_runtime.bench import roofline
+    from llm_runtime.lessons import timed_on_the_device
+
+    monkeypatch.setattr(roofline, "measure_peaks", lambda *a, **k: pytest.fail("a played GPU's peaks are not measured"))
+    monkeypatch.setenv("LLM_RUNTIME_DEVICE_PROFILE", "t4")
+    t4 = roofline.machine_peaks("cpu", torch.float16)
+    assert (t4.matmul_flops, t4.memory_bandwidth, t4.dtype) == (65e12, 320e9, "float16") and "T4" in t4.device
+    assert roofline.machine_peaks("cpu", torch.float32).matmul_flops == 8.1e12  # (a float32 copy: its own figure)
+    assert regime(decode_step_intensity(CONFIG, 2, 1), t4) == "memory-bound"
+    assert not timed_on_the_device("cpu")
+    monkeypatch.setenv("LLM_RUNTIME_DEVICE_PROFILE", "h100")
+    assert roofline.machine_peaks("cpu", torch.bfloat16).matmul_flops == 989e12
+    monkeypatch.delenv("LLM_RUNTIME_DEVICE_PROFILE")
+    assert timed_on_the_device("cpu")

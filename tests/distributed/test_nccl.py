@@ -51,3 +51,36 @@ def test_the_engine_on_two_gpus_gives_one_gpus_tokens(tiny_checkpoints) -> None:
         assert two.outputs[0].token_ids == one.outputs[0].token_ids
         assert max(abs(a[t] - b[t]) for a, b, t in zip(one.outputs[0].logprobs, two.outputs[0].logprobs,
                                                          one.outputs[0].token_ids)) < 1e-4
+
+
+def test_a_killed_worker_fails_a_two_gpu_engine_at_the_step_timeout(tiny_checkpoints) -> None:
+    """Over NCCL a killed rank breaks nothing the others see (their kernels wait for its data): the group's watchdog
+    aborts the communicator at tensor_parallel_timeout_s (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, set by
+    init_tensor_parallel), the step raises, and rank 0 finds the dead worker: EngineDeadError naming it, within
+    the timeout and a margin, and no process left after shutdown (lesson 17, section 8)."""
+    import os
+    import signal
+    import time
+
+    from llm_runtime import EngineDeadError
+    from llm_runtime.model.loader import load_model_weights
+
+    model = load_model_weights(tiny_checkpoints["llama3"], device="cuda", dtype="float32")
+    llm = LLM.from_model(model, None, num_kv_blocks=64, tensor_parallel_size=2, cuda_graphs=False,
+                         tensor_parallel_timeout_s=5.0)
+    engine = llm.llm_engine
+    worker = engine.workers.processes[0]
+    try:
+        engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=400,
+                                                                               ignore_eos=True))
+        engine.step()
+        os.kill(worker.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - started < 5.0 + 30
+        assert "exited" in repr(engine.dead_reason)
+    finally:
+        llm.shutdown()
+    assert not [p for p in engine.workers.processes if p.is_alive()]
