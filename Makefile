@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: setup lessons lab test test-profiles bench clean-venv vllm-env llamacpp-env
+.PHONY: setup lessons lab test bench clean-venv vllm-env llamacpp-env
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,23 +36,27 @@ lab: $(STAMP)
 
 # The unit tests, in TEST_WORKERS processes of one thread each (pytest-xdist): much of a test is single-threaded
 # Python (set-up, tokenizing, compiling, servers starting), which one process cannot spread over two cores, so on
-# this 2-core machine two workers ran them in 598 s against 995 s in one process; the tests time nothing. Every
-# lesson in float32 (a CPU reader's run), one at a time and with every core, since their cells time things; then the CPU plays the GPUs a reader has
-# (LLM_RUNTIME_DEVICE_PROFILE, device.py: their dtype rules and kernels, computed on the CPU; timed loads a
-# quarter of their size, lessons.workload_size; the roofline is the played GPU's datasheet, and claims about speed
-# are checked only on the device itself, lessons.timed_on_the_device). These passes time nothing that is checked,
-# so they run in TEST_WORKERS one-thread workers too, a notebook to a worker. Under an H100's rules ("auto" is
-# bfloat16) lesson 02, whose subject is what the dtype does to logits and tokens, the lessons that branch on the
-# device (11-14), and 06, 07 and 19. Under a T4's (float16; no bfloat16, no quantized kernels, no FlashAttention
-# 2 or flex) 11-14, which skip what a T4 lacks and say why, and 06, 07 and 19. The other lessons run under both
-# with `make test-profiles` (every lesson under both: 23 min for the T4 alone on this 2-core machine, where float16
-# has no arithmetic units, and 16 of them are lesson 18's three float16 servers); left out of `make test` to keep
-# it under 45 minutes.
+# this 2-core machine two workers ran them in 598 s against 995 s in one process; the tests time nothing.
+# Then every lesson in float32, a CPU reader's run. The lessons that assert what they timed (TIMED_LESSONS: a
+# speed-up, a stall, a row costing less than a step) run one at a time with every core; the others, whose checks
+# are tokens, counts and shapes, in TEST_WORKERS one-thread workers, a notebook to a worker.
+# Then the CPU plays the GPUs a reader has (LLM_RUNTIME_DEVICE_PROFILE, device.py): every lesson under an H100's
+# rules ("auto" is bfloat16) and a T4's (float16; no bfloat16, no quantized kernels, no FlashAttention 2 or flex:
+# a lesson skips what a T4 lacks and says why), their float16 products summed in float32 as the T4's tensor cores
+# do (model/half_products.py), timed loads a quarter of their size (lessons.workload_size), the roofline the played
+# GPU's datasheet, claims about speed checked only on the device itself (lessons.timed_on_the_device). These passes
+# check rules, not timings, so they run in one-thread workers too, except the lessons that start processes pinned
+# to cores of their own (ALONE_LESSONS: lesson 17's ranks, lesson 18's servers), which run after them alone (beside
+# another notebook lesson 18's cells took 3x as long).
 TEST_WORKERS ?= 2
-H100_LESSONS := 02 06 07 11 12 13 14 19
-T4_LESSONS := 06 07 11 12 13 14 19
-H100_NOTEBOOKS := $(foreach n,$(H100_LESSONS),$(wildcard notebooks/$(n)_*.ipynb))
-T4_NOTEBOOKS := $(foreach n,$(T4_LESSONS),$(wildcard notebooks/$(n)_*.ipynb))
+ALL_LESSONS := 01 02 03 04 05 06 07 08 09 10 11 12 13 14 15 16 17 18 19
+TIMED_LESSONS := 04 05 08 09 14 17 18 19
+ALONE_LESSONS := 17 18
+lessons_in = $(foreach n,$(1),$(wildcard notebooks/$(n)_*.ipynb))
+TIMED_NOTEBOOKS := $(call lessons_in,$(TIMED_LESSONS))
+UNTIMED_NOTEBOOKS := $(call lessons_in,$(filter-out $(TIMED_LESSONS),$(ALL_LESSONS)))
+SHARED_NOTEBOOKS := $(call lessons_in,$(filter-out $(ALONE_LESSONS),$(ALL_LESSONS)))
+ALONE_NOTEBOOKS := $(call lessons_in,$(ALONE_LESSONS))
 # Then a CPU without AVX-512 (x86-64-v3: AVX2 and FMA, a laptop's or an older server's), played on this one: the
 # package's C kernels built for it (LLM_RUNTIME_CPU_ISA, device.cpu_target), PyTorch's and oneDNN's held to AVX2.
 # The tests of what runs natively (they skip what such a CPU lacks, saying why, and the rest run on the fallbacks)
@@ -64,19 +68,19 @@ NO_AVX512_TESTS := tests/native tests/worker/test_native_step.py tests/model/tes
 	tests/model/test_quantized_linear.py tests/attention/test_cpu_kernel.py notebooks/19_decode_at_the_limit.ipynb
 PROFILE_PASS = OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
 	--nbval-lax --durations=5
+ALONE_PASS = $(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --durations=5
 test: $(STAMP)
-	@test $(words $(H100_NOTEBOOKS)) -eq $(words $(H100_LESSONS)) -a $(words $(T4_NOTEBOOKS)) -eq $(words $(T4_LESSONS)) || \
-		{ echo "H100_LESSONS/T4_LESSONS name lessons that are not in notebooks/"; exit 1; }
+	@test $(words $(call lessons_in,$(ALL_LESSONS))) -eq $(words $(ALL_LESSONS)) -a \
+		$(words $(wildcard notebooks/[0-9][0-9]_*.ipynb)) -eq $(words $(ALL_LESSONS)) || \
+		{ echo "ALL_LESSONS and notebooks/ disagree"; exit 1; }
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=10 tests
-	$(BIN)/python -m pytest -q notebooks --nbval-lax --durations=10
-	LLM_RUNTIME_DEVICE_PROFILE=h100 $(PROFILE_PASS) $(H100_NOTEBOOKS)
-	LLM_RUNTIME_DEVICE_PROFILE=t4 $(PROFILE_PASS) $(T4_NOTEBOOKS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(TIMED_NOTEBOOKS) --nbval-lax --durations=10
+	$(PROFILE_PASS) $(UNTIMED_NOTEBOOKS)
+	LLM_RUNTIME_DEVICE_PROFILE=h100 $(PROFILE_PASS) $(SHARED_NOTEBOOKS)
+	LLM_RUNTIME_DEVICE_PROFILE=h100 $(ALONE_PASS) $(ALONE_NOTEBOOKS)
+	LLM_RUNTIME_DEVICE_PROFILE=t4 $(PROFILE_PASS) $(SHARED_NOTEBOOKS)
+	LLM_RUNTIME_DEVICE_PROFILE=t4 $(ALONE_PASS) $(ALONE_NOTEBOOKS)
 	$(NO_AVX512) $(PROFILE_PASS) $(NO_AVX512_TESTS)
-
-# Every lesson under both played GPUs (45 minutes or more here: see above).
-test-profiles: $(STAMP)
-	LLM_RUNTIME_DEVICE_PROFILE=h100 $(PROFILE_PASS) notebooks
-	LLM_RUNTIME_DEVICE_PROFILE=t4 $(PROFILE_PASS) notebooks
 
 clean-venv:
 	rm -rf $(VENV)

@@ -28,3 +28,4 @@ def test_a_cpu_playing_a_gpu_times_a_quarter_of_each_load(monkeypatch) -> None:
     assert workload_size(64, "cpu") == 64
     monkeypatch.setenv("LLM_RUNTIME_DEVICE_PROFILE", "t4")
     assert workload_size(64, "cpu") == 16 and workload_size(3, "cpu") == 1
+    assert workload_size(16, "cpu", at_least=6) == 6 and workload_size(3, "cpu", at_least=6) == 3

@@ -38,9 +38,13 @@ def attention_with_lse(
     """
     scale = q.shape[-1] ** -0.5
     if q.device.type == "cpu" and q.dtype != torch.float64:  # its log-sum-exp is float32 (float64 is for tests)
+        # It sums in float32 in every dtype; in float16 (a played T4) its inner loops convert element by element,
+        # 4x slower here than converting the operands once (a 128-query prefill: 2.6 ms against 0.64 ms).
+        half = q.dtype == torch.float16
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
-        return out, lse.float()  # (B, H, L, d), (B, H, L)
+            *(t.float() if half else t for t in (q, k, v)), 0.0, is_causal,
+            attn_mask=mask.float() if half and mask is not None else mask, scale=scale)
+        return out.to(q.dtype), lse.float()  # (B, H, L, d), (B, H, L)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, S, d)
     compute = torch.promote_types(q.dtype, torch.float32)  # half precision accumulates in float32

@@ -7,10 +7,11 @@ timed workloads for a CPU that plays a GPU.
 `runs_here` takes the reason a rule gave (None: allowed) and prints, when there is one, what is skipped and
 why, so a reader on a T4 (or a CPU run under `LLM_RUNTIME_DEVICE_PROFILE=t4`) reads why a cell did nothing.
 
-`timed_on_the_device(device)` says whether a lesson's timings are its device's own (not where the CPU plays a GPU),
-so a claim about speed is checked only where they are. `workload_size(n, device)` is `n` on the device itself, and a quarter of it when the CPU plays a GPU: that run
-checks the GPU's rules (what is refused, what is skipped, which dtype), and its timings are the CPU's in a dtype
-the CPU is slow in (float16 on a T4), so a smaller load tells as much.
+`timed_on_the_device(device)` says whether a lesson's timings are its device's own (not where the CPU plays a
+GPU), so a claim about speed is checked only where they are. `workload_size(n, device)` is `n` on the device
+itself, and a quarter of it when the CPU plays a GPU: that run checks the GPU's rules (what is refused, what is
+skipped, which dtype), and its timings are the CPU's in the GPU's dtype, so a smaller load tells as much
+(`at_least` keeps what a cell's point needs: two requests to share a prefix, three chunks to see them grow).
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def timed_on_the_device(device: torch.device | str) -> bool:
     return not device_profile(device).emulated
 
 
-def workload_size(n: int, device: torch.device | str) -> int:
-    """`n` (requests, tokens, steps) on a real device; n / 4 (at least 1) when the CPU plays a GPU."""
+def workload_size(n: int, device: torch.device | str, at_least: int = 1) -> int:
+    """`n` (requests, tokens, steps) on a real device; n / 4, but at least `at_least` (and at most n), when the
+    CPU plays a GPU."""
     if device_profile(device).emulated:
-        return max(1, n // EMULATED_WORKLOAD_SHARE)
+        return min(n, max(at_least, n // EMULATED_WORKLOAD_SHARE))
     return n

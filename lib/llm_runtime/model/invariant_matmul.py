@@ -104,7 +104,7 @@ def make_linears_invariant_(model: nn.Module) -> int:
     """Every nn.Linear of `model` replaced by an InvariantLinear over the same parameters (in place); returns how
     many."""
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if type(child) is nn.Linear]
+               if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
         setattr(parent, name, InvariantLinear(child))
     return len(targets)

@@ -22,6 +22,7 @@ from .tokenizer import Tokenizer, load_tokenizer
 from .bundled import find_bundled_gguf, prepare_bundled_model
 from .causal_lm import CausalLM
 from .gguf import load_gguf_embedding_, load_gguf_linears_
+from .half_products import emulate_half_products_
 from .quantized_linear import QUANTIZATIONS, quantize_linears_
 
 if TYPE_CHECKING:
@@ -88,6 +89,8 @@ def load_model_weights(
         load_gguf_embedding_(model, find_bundled_gguf(), dtype=resolved_dtype)
     elif quantization is not None:
         quantize_linears_(model, quantization, group_size=group_size, dtype=resolved_dtype)
+    elif resolved_dtype == torch.float16 and device_profile(resolved_device).emulated:
+        emulate_half_products_(model)  # a played T4's float16 products, summed in float32 as its tensor cores do
     model.source = "" if name_or_path is None else str(name_or_path)
     return model
 
