@@ -9,6 +9,7 @@ the int4 and int8 quantized products). Whoever chooses a path asks it: `resolve_
 attention backends. On the CPU, `LLM_RUNTIME_DEVICE_PROFILE=t4 | a100 | h100` makes the profile that GPU's:
 the run still computes on the CPU, but takes that GPU's dtype default and refuses what it would refuse (its
 dtypes, its kernels, more memory than it has), so a CPU run catches a lesson that would raise on a reader's T4.
+(Its float16 products are summed in float32, as a T4's tensor cores sum them: model/half_products.py.)
 `LLM_RUNTIME_CPU_ISA=avx2` plays a CPU without AVX-512 the same way (`cpu_target`: what the C kernels are built for).
 """
 

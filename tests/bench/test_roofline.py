@@ -87,5 +87,8 @@ def test_a_played_gpus_roofline_is_its_datasheet_and_its_timings_are_not_its_own
     assert not timed_on_the_device("cpu")
     monkeypatch.setenv("LLM_RUNTIME_DEVICE_PROFILE", "h100")
     assert roofline.machine_peaks("cpu", torch.bfloat16).matmul_flops == 989e12
+    h100 = roofline.datasheet_peaks("h100", torch.bfloat16)  # what a lesson compares this machine with
+    assert (h100.matmul_flops, h100.memory_bandwidth, h100.device) == (989e12, 3.35e12, "H100 (datasheet)")
+    assert roofline.datasheet_peaks("t4", "bfloat16").matmul_flops == 8.1e12  # no bfloat16 on a T4: float32's
     monkeypatch.delenv("LLM_RUNTIME_DEVICE_PROFILE")
     assert timed_on_the_device("cpu")

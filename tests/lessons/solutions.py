@@ -647,6 +647,12 @@ def fused_qkv_three_multiplies(x: torch.Tensor, q_weight: torch.Tensor, k_weight
     return x @ q_weight.T, x @ k_weight.T, x @ v_weight.T  # right, but three multiplies
 
 
+def fused_qkv_one_multiply_and_sums(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                                    v_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One multiply for q only; k and v as products summed by hand, which no multiply count sees."""
+    return x @ q_weight.T, (x[:, None] * k_weight).sum(-1), (x[:, None] * v_weight).sum(-1)
+
+
 def quantize_groups(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     groups = weight.reshape(weight.shape[0], -1, group_size)  # (out, G, group)
     low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
@@ -816,6 +822,22 @@ def choice_mask_through_the_automaton(choices: list[str], text: bytes, vocab: li
     dfa = CharacterDFA("|".join("".join(c if c.isalnum() or c == " " else "\\" + c for c in choice)
                                 for choice in choices))
     return token_mask(dfa, dfa.walk(dfa.start, text), vocab).tolist()
+
+
+def choice_mask_through_an_alias(choices: list[str], text: bytes, vocab: list[bytes]) -> list[bool]:
+    """The automaton again, reached by names its code does not hold: caught running, not by its name."""
+    import importlib
+
+    lesson = importlib.import_module("llm_runtime.lessons." + "token" + "_mask")
+    machine = getattr(lesson, "Character" + "DFA")("|".join("".join(c if c.isalnum() or c == " " else "\\" + c
+                                                                 for c in choice) for choice in choices))
+    def walk(state, data: bytes):
+        for byte in data:
+            state = state and machine.step(state, byte)
+        return state
+
+    state = walk(machine.start, text)
+    return [bool(token) and bool(walk(state, token)) for token in vocab]
 
 
 def forced_text(dfa, prefix: bytes) -> bytes:
@@ -1186,7 +1208,8 @@ WRONG: dict[str, list[Callable]] = {
                               paged_decode_gathering_the_history],
     "lesson12.slot_mappings": [slot_mappings_ignoring_the_start, slot_mappings_offset_by_block_index,
                                slot_mappings_a_loop_per_token, slot_mappings_a_tensor_per_token],
-    "lesson12.fused_qkv": [fused_qkv_split_in_thirds, fused_qkv_three_multiplies],
+    "lesson12.fused_qkv": [fused_qkv_split_in_thirds, fused_qkv_three_multiplies,
+                           fused_qkv_one_multiply_and_sums],
     "lesson13.quantize_groups": [quantize_groups_per_row, quantize_groups_symmetric],
     "lesson13.read_q4_1_block": [read_q4_1_block_interleaved],
     "lesson13.quantize_kv_int8": [quantize_kv_int8_per_tensor, quantize_kv_int8_truncated],
@@ -1195,7 +1218,7 @@ WRONG: dict[str, list[Callable]] = {
     "lesson14.tokens_per_verification": [tokens_per_verification_independent],
     "lesson15.unpack_mask": [unpack_mask_most_significant_bit_first, unpack_mask_without_the_sign_bit],
     "lesson15.choice_mask": [choice_mask_from_the_start, choice_mask_first_byte_only,
-                             choice_mask_through_the_automaton],
+                             choice_mask_through_the_automaton, choice_mask_through_an_alias],
     "lesson15.forced_text": [forced_text_past_a_match, forced_text_one_byte],
     "lesson16.blocked_sum": [blocked_sum_in_float64, blocked_sum_ignoring_the_blocks],
     "lesson16.rows_invariant": [rows_invariant_to_rounding, rows_invariant_one_row_at_a_time_only],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -23,10 +24,11 @@ def lesson_and_exercises(path: Path) -> tuple[list[str], list[str]]:
     in_exercises = False
     for cell in json.loads(path.read_text())["cells"]:
         source = "".join(cell["source"])
-        if cell["cell_type"] == "markdown" and source.lstrip().startswith("## Exercises"):
+        if cell["cell_type"] == "markdown" and re.search(r"^## Exercises", source, re.MULTILINE):
             in_exercises = True
         elif cell["cell_type"] == "code":
             (after if in_exercises else before).append(source)
+    assert in_exercises, f"{path.name} has no '## Exercises' heading"
     return before, after
 
 

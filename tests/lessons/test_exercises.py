@@ -67,7 +67,8 @@ def test_the_solution_passes(key: str) -> None:
 def test_a_wrong_answer_is_rejected_with_its_input(key: str, wrong: Callable) -> None:
     verdict = CHECKERS[key](wrong)
     assert not verdict and verdict.attempted, f"{wrong.__name__} passed"
-    assert "on input" in verdict.message and "expected" in verdict.message or "raised" in verdict.message
+    assert "on input" in verdict.message and ("expected" in verdict.message or "raised" in verdict.message
+                                              or "It calls" in verdict.message)
     name = key.split(".")[1]
     assert f"{name}(" in verdict.message, "the message shows the call that failed"
     parameters = list(inspect.signature(SOLUTIONS[key]).parameters)
@@ -106,3 +107,34 @@ def test_a_verdict_renders_its_three_states() -> None:
     assert passed._repr_markdown_().startswith("✅") and "passed" in str(passed)
     assert failed._repr_markdown_().startswith("❌") and "```text\non input:" in failed._repr_markdown_()
     assert "not attempted yet" in todo._repr_markdown_() and "not attempted yet" in repr(todo)
+
+
+def test_an_answer_that_calls_the_package_fails_and_every_checker_watches_for_it(monkeypatch) -> None:
+    """`def top_p_filter(...): return apply_top_p(...)` is the package's answer, not the reader's: it fails. And every
+    checker's reference names code the watch can see (a name that resolves to nothing would let any call through)."""
+    import torch
+
+    from llm_runtime.lessons.exercises import check
+    from llm_runtime.lessons.exercises.lesson02 import check_top_p_filter
+    from llm_runtime.lessons.exercises.lesson17 import check_ring_all_reduce
+    from llm_runtime.lessons import tensor_parallel
+    from llm_runtime.sampling import apply_top_p
+
+    def top_p_filter(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        return apply_top_p(logits, top_p)
+
+    verdict = check_top_p_filter(top_p_filter)
+    assert not verdict and verdict.attempted and "It calls `llm_runtime.sampling.apply_top_p`" in verdict.message
+    verdict = check_ring_all_reduce(lambda parts: tensor_parallel.ring_all_reduce(parts))
+    assert not verdict and "It calls" in verdict.message
+
+    resolved = {}
+    reference_code = check.reference_code
+    monkeypatch.setattr(check, "reference_code", lambda ref: resolved.setdefault(ref, reference_code(ref)))
+    for key, checker in CHECKERS.items():
+        checker(SOLUTIONS[key])
+    assert len(resolved) >= len(CHECKERS) - 5  # a few checkers share a reference
+    # Two references describe rather than name a function a reader could call: the three products 12.2 fuses,
+    # and 13.3's per-token int8, computed inside its checker.
+    assert {ref for ref, codes in resolved.items() if not codes} == {
+        "three F.linear calls", "llm_runtime.lessons.exercises.lesson13 (per token)"}

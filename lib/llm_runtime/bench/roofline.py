@@ -14,6 +14,8 @@ each its own noisy moment. The copy bandwidth does not depend on the dtype; the 
 `machine_peaks(..., refresh=True)` measures again. Where the CPU plays a GPU (LLM_RUNTIME_DEVICE_PROFILE), the peaks
 are that GPU's datasheet figures: the roofline a lesson draws is the played device's, while its timings stay the
 CPU's (which has no arithmetic units for float16: its own float16 peak would put one row right of the ridge).
+`datasheet_peaks("h100", torch.bfloat16)` is a GPU's datasheet roofline wherever a lesson compares this machine with
+one: the figures are kept once, in `device.EMULATED_PROFILES`.
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ import json
 import os
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..config import ModelConfig
 from ..cache_dir import default_cache_dir
-from ..device import device_profile, synchronize
+from ..device import EMULATED_PROFILES, DeviceProfile, device_profile, synchronize
 
 
 def linear_parameters(config: ModelConfig) -> int:
@@ -135,19 +137,22 @@ def machine_peaks(device: torch.device | str, dtype: torch.dtype, *, refresh: bo
     (default: the package's cache folder). `refresh=True` measures again and keeps the new figures."""
     profile = device_profile(device)
     if profile.emulated:
-        return played_peaks(profile.name, dict(profile.datasheet_flops), profile.datasheet_bandwidth, dtype)
+        return replace(datasheet_peaks(profile, dtype), device=f"{profile.name} (datasheet; played by the CPU)")
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if refresh:
         _cached_peaks.cache_clear()
     return _cached_peaks(str(torch.device(device)), str(dtype).removeprefix("torch."), path / PEAKS_FILE, refresh)
 
 
-def played_peaks(name: str, flops: dict[str, float], bandwidth: float | None, dtype: torch.dtype) -> MachinePeaks:
-    """A played GPU's datasheet peaks for `dtype` (its float32 figure for a dtype the datasheet does not list)."""
-    key = str(dtype).removeprefix("torch.")
-    if bandwidth is None or not flops:
-        raise ValueError(f"no datasheet peaks for the played {name}")
-    return MachinePeaks(f"{name} (datasheet; played by the CPU)", key, flops.get(key, flops["float32"]), bandwidth)
+def datasheet_peaks(gpu: str | DeviceProfile, dtype: torch.dtype | str) -> MachinePeaks:
+    """A GPU's datasheet peaks for `dtype`: "t4", "a100", "h100" (or a profile that has them), its float32 figure
+    for a dtype the datasheet does not list."""
+    profile = EMULATED_PROFILES[gpu] if isinstance(gpu, str) else gpu
+    flops, key = dict(profile.datasheet_flops), str(dtype).removeprefix("torch.")
+    if profile.datasheet_bandwidth is None or not flops:
+        raise ValueError(f"no datasheet peaks for {profile.describe()}")
+    bandwidth = profile.datasheet_bandwidth
+    return MachinePeaks(f"{profile.name} (datasheet)", key, flops.get(key, flops["float32"]), bandwidth)
 
 
 @functools.cache

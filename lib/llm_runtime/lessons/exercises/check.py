@@ -5,6 +5,10 @@ package's own code, then calls the reader's function on a copy of the same input
 where the two differ becomes the `Verdict`'s message: the input, what the package gives, what the
 reader's function gave, and where they differ.
 
+An answer may not call the package code it is checked against (`reference`): the checker watches the reader's
+function run (`sys.setprofile`, which sees every Python call) and fails an answer that reached that code, so
+`def top_p_filter(...): return apply_top_p(...)` does not pass for writing top-p.
+
 A checker never raises on a missing or wrong answer, so a notebook whose exercises are still stubs
 runs from top to bottom (and under nbval): a stub that raises `NotImplementedError` is "not
 attempted yet", any other exception is a failed attempt, reported with the input that caused it.
@@ -13,10 +17,14 @@ attempted yet", any other exception is a failed attempt, reported with the input
 from __future__ import annotations
 
 import copy
+import importlib
+import inspect
 import math
+import sys
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from types import CodeType
 from typing import Any
 
 import torch
@@ -74,6 +82,57 @@ class Case:
 Compare = Callable[[Any, Any], "str | None"]  # (expected, got) -> None when they agree, else what differs
 
 
+def reference_code(reference: str) -> frozenset[CodeType]:
+    """The code of the package function or class that `reference` names ("llm_runtime.sampling.apply_top_p", maybe
+    followed by words): a function's own, a class's methods and properties. Empty where the name does not resolve."""
+    parts = reference.split()[0].split(".") if reference.strip() else []
+    target: object = None
+    for cut in range(len(parts), 0, -1):  # the longest importable module, then attributes
+        try:
+            target = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for attribute in parts[cut:]:
+                target = getattr(target, attribute)
+        except AttributeError:
+            return frozenset()
+        break
+    if target is None:
+        return frozenset()
+    members = vars(target).values() if inspect.isclass(target) else [target]
+    codes = set()
+    for member in members:
+        for function in (getattr(member, "__func__", member), getattr(member, "fget", None)):
+            function = inspect.unwrap(function) if callable(function) else None
+            if isinstance(getattr(function, "__code__", None), CodeType):
+                codes.add(function.__code__)
+    return frozenset(codes)
+
+
+class CallWatch:
+    """While active, notes whether Python code in `codes`, or of a file under one of `folders`, ran (a profile
+    function: it sees every Python call, whatever name the caller gave the function)."""
+
+    def __init__(self, codes: frozenset[CodeType] = frozenset(), folders: tuple[str, ...] = ()) -> None:
+        self.codes, self.folders, self.reached = codes, folders, False
+        self._previous: Any = None
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and (frame.f_code in self.codes or frame.f_code.co_filename.startswith(self.folders)):
+            self.reached = True
+
+    def __enter__(self) -> CallWatch:
+        if self.codes or self.folders:
+            self._previous = sys.getprofile()
+            sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.codes or self.folders:
+            sys.setprofile(self._previous)
+
+
 def run_cases(exercise: str, candidate: object, cases: Iterable[Case] | Callable[[], Iterable[Case]],
               compare: Compare, reference: str,
               method: Callable[[Any], Verdict | None] | None = None) -> Verdict:
@@ -87,6 +146,7 @@ def run_cases(exercise: str, candidate: object, cases: Iterable[Case] | Callable
     if not callable(candidate):
         return Verdict(exercise, False, True, f"Expected a function, got {type(candidate).__name__}: pass "
                                               f"`{exercise}` itself, not what it returns.")
+    forbidden = reference_code(reference)
     try:
         cases = list(cases() if callable(cases) else cases)
     except Exception:  # the package changed under the checker: say so, do not break the notebook
@@ -94,14 +154,20 @@ def run_cases(exercise: str, candidate: object, cases: Iterable[Case] | Callable
                                                "not in your code):\n" + traceback.format_exc(limit=3))
     for number, case in enumerate(cases, start=1):
         args = copy.deepcopy(list(case.args.values()))  # the reader may modify its inputs
+        watch = CallWatch(forbidden)
         try:
-            got = candidate(*args)
+            with watch:
+                got = candidate(*args)
         except NotImplementedError:
             return Verdict(exercise, False, False, f"Write `{exercise}` in the cell above, then run this cell again.")
         except Exception as error:  # the reader's bug: report it with the input that caused it
             return Verdict(exercise, False, True, f"It raised {type(error).__name__} on case {number} of "
                                                   f"{len(cases)}.\n" + describe_input(exercise, case)
                            + f"\n{type(error).__name__}: {error}")
+        if watch.reached:
+            return Verdict(exercise, False, True, f"It calls `{reference.split()[0]}`, the package's own answer, "
+                                                  f"which this exercise asks you to write (case {number} of "
+                                                  f"{len(cases)}).\n" + describe_input(exercise, case))
         try:
             difference = compare(case.expected, got)
         except Exception as error:  # e.g. a tensor where a list was expected, of a shape that cannot compare

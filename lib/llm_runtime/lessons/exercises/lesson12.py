@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ...attention.metadata import AttentionMetadata
 from .check import Case, Compare, Verdict, close_tensors, method_verdict, run_cases, same_value
-from .operators import count_matmuls, record_operators
+from .operators import MATMULS, record_operators
 
 
 def check_slot_mappings(fn: object) -> Verdict:
@@ -105,11 +105,20 @@ def check_fused_qkv(fn: object) -> Verdict:
 
 
 def _one_multiply(fn: object, case: Case) -> Verdict | None:
-    """Fails an answer that makes more (or fewer) than one matrix multiply; None when it makes one."""
+    """Fails an answer that makes more (or fewer) than one matrix multiply, or whose one multiply is not all three
+    products at once (q's alone, with k and v done another way); None when one multiply makes all of q, k, v."""
     _, calls = record_operators(fn, *[t.clone() for t in case.args.values()])
-    multiplies = count_matmuls(calls)
-    if multiplies == 1:
-        return None
-    return method_verdict("fused_qkv", case, f"It gives the right answer, but with {multiplies} matrix multiplies.",
-                          "one matrix multiply (concatenate the weights once, split the product)",
-                          f"{multiplies} (`mm`, `addmm` and the like, counted as PyTorch runs them)")
+    multiplies = [call for call in calls if call.name in MATMULS]
+    x, q_weight, k_weight, v_weight = case.args.values()
+    every_output = x.shape[0] * (q_weight.shape[0] + k_weight.shape[0] + v_weight.shape[0])
+    expected = "one matrix multiply (concatenate the weights once, split the product)"
+    if len(multiplies) != 1:
+        return method_verdict("fused_qkv", case, f"It gives the right answer, but with {len(multiplies)} matrix "
+                              "multiplies.", expected,
+                              f"{len(multiplies)} (`mm`, `addmm` and the like, counted as PyTorch runs them)")
+    made = multiplies[0].outputs[0][0] if multiplies[0].outputs else 0
+    if made != every_output:
+        return method_verdict("fused_qkv", case, "It gives the right answer, but its one matrix multiply makes only "
+                              "part of q, k and v: the rest is computed another way.", expected,
+                              f"a multiply of {made} outputs, where q, k and v together are {every_output}")
+    return None

@@ -11,14 +11,17 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import random
+import re
 import types
 
 import torch
 
 from ...structured_output import unpack_bitmask
 from ..token_mask import CharacterDFA, forced_bytes, token_mask
-from .check import Case, Verdict, method_verdict, run_cases, same_value
+from .check import Case, CallWatch, Verdict, method_verdict, run_cases, same_value
 
 
 def check_unpack_mask(fn: object) -> Verdict:
@@ -102,13 +105,37 @@ def _names_used(code: types.CodeType) -> set[str]:
     return names
 
 
+def _automaton_folders() -> tuple[str, ...]:
+    """Where an automaton's or a regex's Python code lives: the lesson's, the `re` package, the engine's grammars
+    and xgrammar (where installed)."""
+    from ... import structured_output
+    from .. import token_mask as lesson_automaton
+
+    folders = [lesson_automaton.__file__, os.path.dirname(re.__file__) + os.sep,
+               os.path.dirname(structured_output.__file__) + os.sep]
+    spec = importlib.util.find_spec("xgrammar")
+    if spec is not None and spec.submodule_search_locations:
+        folders += [folder + os.sep for folder in spec.submodule_search_locations]
+    return tuple(folders)
+
+
 def _without_an_automaton(fn: object) -> Verdict | None:
+    """None when `fn` neither names nor runs an automaton or a regex (names: read in its code; running: watched,
+    so an alias such as `from ...token_mask import token_mask as tm` is caught too)."""
+    case = Case({"choices": ["Paris", "London", "Rome"], "text": b"", "vocab": [b"P", b"Lon", b"x"]}, None,
+                "any input: the way it is computed is the point")
     code = getattr(fn, "__code__", None)
     used = sorted(_names_used(code) & _AUTOMATON_NAMES) if isinstance(code, types.CodeType) else []
     if not used:
-        return None
-    case = Case({"choices": ["Paris", "London", "Rome"], "text": b"", "vocab": [b"P", b"Lon", b"x"]}, None,
-                "any input: the way it is computed is the point")
+        watch = CallWatch(folders=_automaton_folders())
+        try:
+            with watch:
+                fn(*case.args.values())  # type: ignore[operator]
+        except Exception:  # its verdict on the cases was already given; here only the way it computes matters
+            pass
+        if not watch.reached:
+            return None
+        used = ["an automaton's or a regex's code (under another name)"]
     return method_verdict("choice_mask", case, "Every case agrees, but through an automaton or a regex: the task is "
                           "to do without one. A token may follow when text + token is the start of some choice.",
                           "byte comparisons of text + token with the choices",
