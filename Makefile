@@ -39,7 +39,7 @@ lab: $(STAMP)
 # this 2-core machine two workers ran them in 598 s against 995 s in one process; the tests time nothing.
 # Then every lesson in float32, a CPU reader's run. The lessons that assert what they timed (TIMED_LESSONS: a
 # speed-up, a stall, a row costing less than a step) run one at a time with every core; the others, whose checks
-# are tokens, counts and shapes, in TEST_WORKERS one-thread workers, a notebook to a worker (1,044 s for the two
+# are tokens, counts and shapes, in TEST_WORKERS one-thread workers, a notebook to a worker (1,044-1,094 s for the two
 # against 1,333 s all one at a time).
 # Then the CPU plays the GPUs a reader has (LLM_RUNTIME_DEVICE_PROFILE, device.py): an H100's rules ("auto" is
 # bfloat16) and a T4's (float16; no bfloat16, no quantized kernels, no FlashAttention 2 or flex: a lesson skips
