@@ -39,8 +39,8 @@ lab: $(STAMP)
 # this 2-core machine two workers ran them in 598 s against 995 s in one process; the tests time nothing.
 # Then every lesson in float32, a CPU reader's run. The lessons that assert what they timed (TIMED_LESSONS: a
 # speed-up, a stall, a row costing less than a step) run one at a time with every core; the others, whose checks
-# are tokens, counts and shapes, in TEST_WORKERS one-thread workers, a notebook to a worker (1,044-1,094 s for the two
-# against 1,333 s all one at a time).
+# are tokens, counts and shapes, in TEST_WORKERS one-thread workers, a notebook to a worker (995 s for the two here,
+# against 1,333 s all one at a time when measured).
 # Then the CPU plays the GPUs a reader has (LLM_RUNTIME_DEVICE_PROFILE, device.py): an H100's rules ("auto" is
 # bfloat16) and a T4's (float16; no bfloat16, no quantized kernels, no FlashAttention 2 or flex: a lesson skips
 # what a T4 lacks and says why), the T4's float16 products summed in float32 as its tensor cores do
@@ -48,22 +48,28 @@ lab: $(STAMP)
 # GPU's datasheet, claims about speed checked only on the device itself (lessons.timed_on_the_device). These passes
 # check rules, not timings, so they run in one-thread workers too, except the lessons that start processes pinned
 # to cores of their own (ALONE_LESSONS: lesson 17's ranks, lesson 18's servers), which run after them alone
-# (beside another notebook lesson 18's cells took 3x as long).
-# Every lesson under both (`make test-profiles`) took 1,341 s on this machine (H100 516 + 143 s, T4 526 + 156 s),
-# which `make test` cannot hold under 45 minutes beside the rest (3,181 s in all). So `make test` plays the GPUs
-# for the lessons that branch on the device or the dtype (02, 11-14, 16), those where a GPU reader met a crash
-# that float32 never shows (02, 09, 16), lesson 18's half-precision servers, 06 and 07 (the KV pool's bytes per
-# dtype) and 15 under the T4 (grammar masks over float16 logits). Lessons 17 and 19 run on the CPU in float32
-# whatever the profile (17's engines and ranks are float32 by design; 19's first cell drops the profile), and
-# 01, 03-05, 08 and 10 are played only by `make test-profiles` (all nineteen passed it at the change that split
-# these passes).
+# (beside another notebook lesson 18's cells took 3x as long). Lesson 19 is not played: it is the CPU's on every
+# machine, and its first cell drops the profile, so a played run would be its float32 run again.
+# Every other lesson under both GPUs is `make test-profiles`: their played cells took about 1,000 s of one core
+# under each GPU here (2026-12-08), 17 and 18 alone another 300 s, more than `make test` can hold under 45 minutes
+# beside its other passes (about 1,700 s). So `make test` plays both GPUs for all but 04, 05 and 17, and 15 under the
+# T4 only (grammar masks over float16 logits): 04 and 05 (the scheduler and continuous batching, whose played runs
+# repeat their float32 checks on a float32 copy) and 17 (float32 engines and ranks by design) are played by
+# `make test-profiles` alone. Measured as written (2026-12-08): tests 606 s, float32 timed 552 s and the rest 443 s,
+# H100 343 + 72 s, T4 395 + 92 s, no AVX-512 102 s: 2,605 s in all.
+# A pass of two workers ends when its last notebook does, the other worker idle meanwhile: LESSON_ORDER puts the
+# lessons that took longest first (their cells' seconds here, float32 and played), and --no-loadscope-reorder keeps
+# that order (xdist's own puts the notebooks with the most cells first).
 TEST_WORKERS ?= 2
 ALL_LESSONS := 01 02 03 04 05 06 07 08 09 10 11 12 13 14 15 16 17 18 19
+LESSON_ORDER := 13 18 12 14 16 15 05 04 02 10 17 09 08 03 01 06 11 19 07
 TIMED_LESSONS := 04 05 08 09 14 17 18 19
 ALONE_LESSONS := 17 18
-H100_LESSONS := 02 06 07 09 11 12 13 14 16 18
-T4_LESSONS := 02 06 07 09 11 12 13 14 15 16 18
-lessons_in = $(foreach n,$(1),$(wildcard notebooks/$(n)_*.ipynb))
+PLAYED_LESSONS := $(filter-out 19,$(ALL_LESSONS))
+H100_LESSONS := 01 02 03 06 07 08 09 10 11 12 13 14 16 18
+T4_LESSONS := 01 02 03 06 07 08 09 10 11 12 13 14 15 16 18
+# The lessons of $(1), longest first.
+lessons_in = $(foreach n,$(filter $(1),$(LESSON_ORDER)),$(wildcard notebooks/$(n)_*.ipynb))
 shared = $(call lessons_in,$(filter-out $(ALONE_LESSONS),$(1)))
 alone = $(call lessons_in,$(filter $(ALONE_LESSONS),$(1)))
 # Then a CPU without AVX-512 (x86-64-v3: AVX2 and FMA, a laptop's or an older server's), played on this one: the
@@ -73,15 +79,16 @@ alone = $(call lessons_in,$(filter $(ALONE_LESSONS),$(1)))
 # 19's timed claims, such as a row costing less than a step, held with one thread as with two). (Lesson 13 passes
 # this way too, in 5.5 more minutes: left out for time.)
 NO_AVX512 := LLM_RUNTIME_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
-NO_AVX512_TESTS := tests/native tests/worker/test_native_step.py tests/model/test_quantized_kernels.py \
-	tests/model/test_quantized_linear.py tests/attention/test_cpu_kernel.py notebooks/19_decode_at_the_limit.ipynb
+NO_AVX512_TESTS := notebooks/19_decode_at_the_limit.ipynb tests/native tests/worker/test_native_step.py \
+	tests/model/test_quantized_kernels.py tests/model/test_quantized_linear.py tests/attention/test_cpu_kernel.py
 PROFILE_PASS = OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
-	--nbval-lax --durations=5
+	--no-loadscope-reorder --nbval-lax --durations=5
 ALONE_PASS = $(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --durations=5
 test: $(STAMP)
 	@test $(words $(call lessons_in,$(ALL_LESSONS))) -eq $(words $(ALL_LESSONS)) -a \
-		$(words $(wildcard notebooks/[0-9][0-9]_*.ipynb)) -eq $(words $(ALL_LESSONS)) || \
-		{ echo "ALL_LESSONS and notebooks/ disagree"; exit 1; }
+		$(words $(wildcard notebooks/[0-9][0-9]_*.ipynb)) -eq $(words $(ALL_LESSONS)) -a \
+		$(words $(LESSON_ORDER)) -eq $(words $(ALL_LESSONS)) || \
+		{ echo "ALL_LESSONS, LESSON_ORDER and notebooks/ disagree"; exit 1; }
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=10 tests
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(call lessons_in,$(TIMED_LESSONS)) --nbval-lax --durations=10
 	$(PROFILE_PASS) $(call lessons_in,$(filter-out $(TIMED_LESSONS),$(ALL_LESSONS)))
@@ -91,12 +98,12 @@ test: $(STAMP)
 	LLM_RUNTIME_DEVICE_PROFILE=t4 $(ALONE_PASS) $(call alone,$(T4_LESSONS))
 	$(NO_AVX512) $(PROFILE_PASS) $(NO_AVX512_TESTS)
 
-# Every lesson under both played GPUs (22 minutes here: see above).
+# Every lesson under both played GPUs (see above).
 test-profiles: $(STAMP)
-	LLM_RUNTIME_DEVICE_PROFILE=h100 $(PROFILE_PASS) $(call shared,$(ALL_LESSONS))
-	LLM_RUNTIME_DEVICE_PROFILE=h100 $(ALONE_PASS) $(call alone,$(ALL_LESSONS))
-	LLM_RUNTIME_DEVICE_PROFILE=t4 $(PROFILE_PASS) $(call shared,$(ALL_LESSONS))
-	LLM_RUNTIME_DEVICE_PROFILE=t4 $(ALONE_PASS) $(call alone,$(ALL_LESSONS))
+	LLM_RUNTIME_DEVICE_PROFILE=h100 $(PROFILE_PASS) $(call shared,$(PLAYED_LESSONS))
+	LLM_RUNTIME_DEVICE_PROFILE=h100 $(ALONE_PASS) $(call alone,$(PLAYED_LESSONS))
+	LLM_RUNTIME_DEVICE_PROFILE=t4 $(PROFILE_PASS) $(call shared,$(PLAYED_LESSONS))
+	LLM_RUNTIME_DEVICE_PROFILE=t4 $(ALONE_PASS) $(call alone,$(PLAYED_LESSONS))
 
 clean-venv:
 	rm -rf $(VENV)

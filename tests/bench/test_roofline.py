@@ -92,3 +92,34 @@ def test_a_played_gpus_roofline_is_its_datasheet_and_its_timings_are_not_its_own
     assert roofline.datasheet_peaks("t4", "bfloat16").matmul_flops == 8.1e12  # no bfloat16 on a T4: float32's
     monkeypatch.delenv("LLM_RUNTIME_DEVICE_PROFILE")
     assert timed_on_the_device("cpu")
+
+
+def test_peaks_kept_by_a_copy_measurement_are_measured_again(tmp_path, monkeypatch) -> None:
+    """An entry from before the bandwidth was a read stream (a copy's read + write) is not quoted: measured again."""
+    import json
+
+    import torch
+
+    from llm_runtime.bench import roofline
+
+    key = roofline.machine_key("cpu")
+    (tmp_path / roofline.PEAKS_FILE).write_text(json.dumps(
+        {key: {"memory_bandwidth": 1.0, "matmul_flops": {"float32": 2.0}}}))
+    monkeypatch.setattr(roofline, "measure_peaks", lambda device, dtype, repeats: MachinePeaks("cpu", "float32", 5e9, 7e9))
+    roofline._cached_peaks.cache_clear()
+    peaks = roofline.machine_peaks("cpu", torch.float32, cache_dir=tmp_path)
+    assert (peaks.matmul_flops, peaks.memory_bandwidth) == (5e9, 7e9)
+    assert json.loads((tmp_path / roofline.PEAKS_FILE).read_text())[key]["read_bandwidth"] == 7e9
+    roofline._cached_peaks.cache_clear()
+
+
+def test_the_bandwidth_is_a_read_stream(monkeypatch) -> None:
+    """measure_peaks times a read of the buffer (bytes read once, as a decode step reads its weights), not a copy,
+    whose writes a step does not make."""
+    import torch
+
+    from llm_runtime.bench import roofline
+
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda *a, **k: pytest.fail("the bandwidth is not a copy's"))
+    peaks = roofline.measure_peaks("cpu", torch.float32, matmul_size=64, read_bytes=1 << 22, repeats=2)
+    assert peaks.memory_bandwidth > 0 and peaks.matmul_flops > 0

@@ -591,6 +591,15 @@ def paged_decode_gathering_the_history(query: torch.Tensor, key_pool: torch.Tens
     return package_paged_decode(query, key_pool, value_pool, block_table, seq_len)
 
 
+def paged_decode_joining_block_copies(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                                      block_table: list[int], seq_len: int) -> torch.Tensor:
+    """The whole history after all: each block cloned on its own (one block at a time), then joined into a pool of
+    the sequence's own, read block by block."""
+    blocks = [(key_pool[b].clone(), value_pool[b].clone()) for b in block_table]
+    keys, values = torch.stack([k for k, _ in blocks]), torch.stack([v for _, v in blocks])
+    return _paged_decode(query, keys, values, list(range(len(block_table))), seq_len)
+
+
 # ------------------------------------------------------------------------------------------ the index
 # ------------------------------------------------------------------------------------------ lesson 12
 def slot_mappings(block_tables: list[list[int]], starts: list[int], num_new_tokens: list[int],
@@ -619,6 +628,13 @@ def slot_mappings_a_loop_per_token(block_tables: list[list[int]], starts: list[i
                                    block_size: int) -> list[int]:
     return [block_tables[b][p // block_size] * block_size + p % block_size  # right, but one Python step a token
             for b, (start, count) in enumerate(zip(starts, num_new_tokens)) for p in range(start, start + count)]
+
+
+def slot_mappings_one_tensor_at_the_end(block_tables: list[list[int]], starts: list[int], num_new_tokens: list[int],
+                                        block_size: int) -> list[int]:
+    slots = [block_tables[b][p // block_size] * block_size + p % block_size  # a Python loop per token, then
+             for b, (start, count) in enumerate(zip(starts, num_new_tokens)) for p in range(start, start + count)]
+    return torch.tensor(slots).tolist()  # one tensor operation, whatever the count
 
 
 def slot_mappings_a_tensor_per_token(block_tables: list[list[int]], starts: list[int], num_new_tokens: list[int],
@@ -1205,9 +1221,10 @@ WRONG: dict[str, list[Callable]] = {
     "lesson10.is_busy": [is_busy_when_full, is_busy_ignoring_the_burst],
     "lesson11.merge_attention": [merge_attention_equal_weights, merge_attention_without_the_max],
     "lesson11.paged_decode": [paged_decode_without_rescaling, paged_decode_whole_last_block,
-                              paged_decode_gathering_the_history],
+                              paged_decode_gathering_the_history, paged_decode_joining_block_copies],
     "lesson12.slot_mappings": [slot_mappings_ignoring_the_start, slot_mappings_offset_by_block_index,
-                               slot_mappings_a_loop_per_token, slot_mappings_a_tensor_per_token],
+                               slot_mappings_a_loop_per_token, slot_mappings_a_tensor_per_token,
+                               slot_mappings_one_tensor_at_the_end],
     "lesson12.fused_qkv": [fused_qkv_split_in_thirds, fused_qkv_three_multiplies,
                            fused_qkv_one_multiply_and_sums],
     "lesson13.quantize_groups": [quantize_groups_per_row, quantize_groups_symmetric],

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from llm_runtime import LLM
 from llm_runtime.bench.decode_roofline import interleaved_step_seconds
-from llm_runtime.lessons.decode_limit import half_block_rows, static_schedule, step_weight_bytes
+from llm_runtime.lessons.decode_limit import gguf_step_bytes, half_block_rows, static_schedule, step_weight_bytes
+from llm_runtime.model.bundled import find_bundled_gguf
+from llm_runtime.model.gguf import read_gguf_tensors
 from llm_runtime.model import load_model
 
 
@@ -14,6 +16,23 @@ def test_the_bytes_of_a_step_are_the_layers_the_head_and_the_final_norm() -> Non
     head = sum(t.numel() * t.element_size() for t in model.lm_head.buffers())  # the tied Q8_0 table
     assert step_weight_bytes(model) == layers + head + model.config.hidden_size * 2
     assert head == 49152 * 576 + 18 * 49152 * 2  # int8 values and a bfloat16 scale per 32
+
+
+def test_llamacpps_bytes_a_step_are_every_tensor_of_a_file_whose_head_is_its_embedding(monkeypatch) -> None:
+    """The bundled GGUF has no output.weight: its Q8_0 embedding is the head, read whole; a file with its own head
+    reads one embedding row a token, not counted."""
+    import llm_runtime.lessons.decode_limit as decode_limit
+
+    path = find_bundled_gguf()
+    tensors = read_gguf_tensors(path)
+    assert "output.weight" not in tensors
+    everything = sum(t.data.nbytes for t in tensors.values())
+    assert gguf_step_bytes(path) == everything
+    embedding = tensors["token_embd.weight"].data.nbytes
+    assert embedding == 49152 * (576 // 32) * 34  # Q8_0: 32 int8 values and a float16 scale a block
+    with_a_head = {**tensors, "output.weight": tensors["token_embd.weight"]}
+    monkeypatch.setattr(decode_limit, "read_gguf_tensors", lambda _: with_a_head)
+    assert gguf_step_bytes(path) == everything  # its own head read whole, the embedding not
 
 
 def test_half_blocks_cover_every_row_once() -> None:

@@ -315,7 +315,8 @@ def test_llm_and_the_command_line_take_a_quantization(capsys) -> None:
     from llm_runtime.__main__ import main
 
     # In float32: in bfloat16 the first token is a near-tie ("The" 25.625 against "L" 25.375, a step of 0.125).
-    with LLM(quantization="gguf", dtype="float32", max_num_seqs=2) as llm:
+    # compile_model=False: compiling is test_compiled_forward's (a graph here would cost most of this test's time)
+    with LLM(quantization="gguf", dtype="float32", max_num_seqs=2, compile_model=False) as llm:
         assert is_quantized(llm.model) == "int4" and llm.model.dtype == torch.float32
         answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                           SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)

@@ -290,7 +290,8 @@ def test_packed_weights_get_a_plain_copy_that_the_budget_counts(dtype: str) -> N
     prompt = [tokenizer.encode(TEXT)[:24]]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     before = CPU_DEVICE.held_bytes(model.device)  # other tests' engines still alive
-    plain_llm = LLM.from_model(model, None, kv_cache_memory=POOL, owns_model=True)
+    # compile_model=False: the prompts run eagerly (compiling two graphs would be most of this test's time)
+    plain_llm = LLM.from_model(model, None, kv_cache_memory=POOL, owns_model=True, compile_model=False)
     try:
         engine = plain_llm.llm_engine
         assert engine.stats().native_step and not engine.stats().prepacked_weights
@@ -302,7 +303,7 @@ def test_packed_weights_get_a_plain_copy_that_the_budget_counts(dtype: str) -> N
     finally:
         plain_llm.shutdown()
     before = CPU_DEVICE.held_bytes(model.device)
-    packed_llm = LLM.from_model(model, None, kv_cache_memory=POOL, prepack_weights=True)
+    packed_llm = LLM.from_model(model, None, kv_cache_memory=POOL, prepack_weights=True, compile_model=False)
     try:
         engine = packed_llm.llm_engine
         assert engine.stats().native_step and engine.stats().prepacked_weights

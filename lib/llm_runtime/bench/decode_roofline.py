@@ -2,7 +2,7 @@
 
 One sequence decoding reads every weight once per token and does almost no arithmetic with it, so
 the fastest a step can be is the weight bytes over the memory bandwidth (`roofline.weight_bytes`
-over the measured copy bandwidth). What a real step adds is everything else: the KV reads (small at
+over the measured read bandwidth, `roofline.machine_peaks`). What a real step adds is everything else: the KV reads (small at
 short contexts), kernel launches, and the engine's Python around the forward. The fraction
 roofline / step says how much of the step is the unavoidable part.
 
@@ -54,7 +54,7 @@ class DecodeMeasurement:
     step_ms: float  # median wall time of one engine step (one token) at batch 1
     tokens_per_s: float
     weight_mb: float  # bytes read per step for the weights (linears and the output projection)
-    bandwidth_gb_s: float  # measured copy bandwidth of the device
+    bandwidth_gb_s: float  # the device's read bandwidth (roofline.machine_peaks)
     roofline_ms: float  # weight bytes / bandwidth: the step time no engine can beat
     roofline_fraction: float  # roofline_ms / step_ms
 

@@ -10,7 +10,9 @@ this machine (`measure_peaks`).
 `machine_peaks` is the measurement every lesson and `bench` quotes: taken once (best of several runs, at
 the thread count the engine uses), kept for the process and in a file keyed by the machine (its processor or
 GPU, torch's thread count and version), so lessons run one after the other quote the same machine rather than
-each its own noisy moment. The copy bandwidth does not depend on the dtype; the matmul peak is kept per dtype.
+each its own noisy moment. The bandwidth is a read stream (the sum of a buffer far larger than the caches: bytes
+read once over the time), as a decode step reads its weights; it does not depend on the dtype, and lessons 09, 12
+and 19 quote this one figure. The matmul peak is kept per dtype.
 `machine_peaks(..., refresh=True)` measures again. Where the CPU plays a GPU (LLM_RUNTIME_DEVICE_PROFILE), the peaks
 are that GPU's datasheet figures: the roofline a lesson draws is the played device's, while its timings stay the
 CPU's (which has no arithmetic units for float16: its own float16 peak would put one row right of the ridge).
@@ -91,20 +93,20 @@ def _best_time(fn, repeats: int, device: torch.device, budget_s: float = 3.0) ->
 
 @torch.inference_mode()
 def measure_peaks(device: torch.device | str, dtype: torch.dtype, matmul_size: int | None = None,
-                  copy_bytes: int | None = None, repeats: int = 5) -> MachinePeaks:
-    """Best-of-`repeats` square matmul FLOP/s and tensor-copy bandwidth (read + write) on `device`."""
+                  read_bytes: int | None = None, repeats: int = 5) -> MachinePeaks:
+    """Best-of-`repeats` square matmul FLOP/s and read bandwidth (bytes of a buffer summed, over the time) on
+    `device`: a read stream, as a decode step reads its weights (a copy would count writes too)."""
     device = torch.device(device)
     on_gpu = device.type == "cuda"
     n = matmul_size or (8192 if on_gpu else 1536)
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     matmul_time = _best_time(lambda: torch.mm(a, b), repeats, device)
-    nbytes = copy_bytes or (2**30 if on_gpu else 2**28)
-    source = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
-    destination = torch.empty_like(source)
-    copy_time = _best_time(lambda: destination.copy_(source), repeats, device)
+    nbytes = read_bytes or (2**30 if on_gpu else 2**28)
+    source = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    read_time = _best_time(lambda: source.sum(), repeats, device)
     return MachinePeaks(str(device), str(dtype).removeprefix("torch."), 2.0 * n**3 / matmul_time,
-                        2.0 * source.numel() * 4 / copy_time)
+                        source.numel() * 4 / read_time)
 
 
 PEAKS_FILE = "machine_peaks.json"
@@ -162,11 +164,13 @@ def _cached_peaks(device: str, dtype: str, path: Path, refresh: bool) -> Machine
         saved = json.loads(path.read_text())
     except (OSError, ValueError):
         saved = {}
-    entry = {} if refresh or not isinstance(saved.get(key), dict) else saved[key]
+    entry = saved.get(key)
+    if refresh or not isinstance(entry, dict) or "read_bandwidth" not in entry:
+        entry = {}  # nothing kept, or kept by a version that measured a copy's bandwidth: measure all again
     flops = entry.get("matmul_flops", {})
-    if "memory_bandwidth" not in entry or dtype not in flops:
+    if dtype not in flops:
         measured = measure_peaks(device, getattr(torch, dtype), repeats=MACHINE_PEAK_REPEATS)
-        entry = {"memory_bandwidth": entry.get("memory_bandwidth", measured.memory_bandwidth),
+        entry = {"read_bandwidth": entry.get("read_bandwidth", measured.memory_bandwidth),
                  "matmul_flops": {**flops, dtype: measured.matmul_flops}}
         saved[key] = entry
         try:
@@ -176,7 +180,7 @@ def _cached_peaks(device: str, dtype: str, path: Path, refresh: bool) -> Machine
             temporary.replace(path)  # whole or not at all, if two processes write at once
         except OSError:
             pass  # a read-only cache folder: the figures still hold for this process
-    return MachinePeaks(device, dtype, entry["matmul_flops"][dtype], entry["memory_bandwidth"])
+    return MachinePeaks(device, dtype, entry["matmul_flops"][dtype], entry["read_bandwidth"])
 
 
 def decode_step_intensity(config: ModelConfig, dtype_size: int, batch_size: int, context_len: int = 0) -> float:

@@ -1,10 +1,14 @@
-"""Helpers for lesson 19 (decode at the limit): the bytes a batch-1 step must read, how the native step splits an
-int4 product into work items, and how OpenMP's static schedule hands them out.
+"""Helpers for lesson 19 (decode at the limit): the bytes a batch-1 step must read (the package's, and llama.cpp's
+from its GGUF file), how the native step splits an int4 product into work items, and how OpenMP's static schedule
+hands them out.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..model import CausalLM
+from ..model.gguf import read_gguf_tensors
 
 
 def step_weight_bytes(model: CausalLM) -> int:
@@ -14,6 +18,15 @@ def step_weight_bytes(model: CausalLM) -> int:
                  for t in (*layer.parameters(), *layer.buffers()))
     head = sum(t.numel() * t.element_size() for t in (*model.lm_head.parameters(), *model.lm_head.buffers()))
     return layers + head + model.model.norm.weight.numel() * model.model.norm.weight.element_size()
+
+
+def gguf_step_bytes(path: str | Path) -> int:
+    """Bytes of weights a batch-1 decode step of llama.cpp reads from the GGUF file at `path`: every tensor's data,
+    but the token embedding's only where the file has its own head (`output.weight`; the embedding then reads one
+    row a token); without one the head is the embedding, read whole."""
+    tensors = read_gguf_tensors(path)
+    tied = "output.weight" not in tensors
+    return sum(t.data.nbytes for name, t in tensors.items() if tied or name != "token_embd.weight")
 
 
 def half_block_rows(item: int) -> list[int]:

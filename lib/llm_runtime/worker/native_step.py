@@ -1,13 +1,14 @@
 """A step's whole forward pass as one native call: every layer inside one OpenMP parallel region (lesson 19).
 
-The compiled forward pass (compiled_forward.py) takes Python out of a step, but not the kernel boundaries: a
-batch-1 step of the bundled model in its native 4-bit form enters 2,370 PyTorch operators and 151 C kernels
-eagerly (lesson 19's profile), and compiled, the 151 kernels and inductor's fused loops remain; each kernel wakes
-PyTorch's threads, splits a few microseconds of work between them and waits for the slowest. On 2 cores that
-costs more than reading the weights. `csrc/native_step.c` runs the step's embedding, 30 layers and head as stages
-of one parallel region, the threads meeting at a barrier between stages instead of leaving and re-entering
-a thread pool, and reading the weights where the model keeps them (the int4 layers' packing, the Q8_0
-table, the KV pool): nothing is copied or laid out again.
+The compiled forward pass (compiled_forward.py) takes most of the Python out of a step, not all of it: a batch-1
+step of the bundled model in its native 4-bit form enters 2,370 PyTorch operators and 151 C kernels eagerly
+(lesson 19's profile), and compiled, inductor's generated Python still allocates each of the 151 kernels' outputs
+and calls it through the dispatcher, its fused pointwise loops run on one thread, and Dynamo checks its guards
+every step: on 2 cores about as much time as the gap between the compiled and the native step (lesson 19), where
+the parallel regions themselves cost under a microsecond each (bench/parallel_regions.py). `csrc/native_step.c`
+runs the step's embedding, 30 layers and head as stages of one parallel region, every stage split between the
+threads, the threads meeting at a barrier between stages, and reads the weights where the model keeps them (the
+int4 layers' packing, the Q8_0 table, the KV pool): nothing is copied, allocated or laid out again.
 
 What it covers, checked once (`native_step_unavailable_reason`): a CPU model on one rank without biases or q/k
 norms, a pool in its dtype (`kv_cache_dtype="auto"`), and either

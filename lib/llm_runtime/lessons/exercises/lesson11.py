@@ -139,8 +139,9 @@ def _read_block_by_block(fn: object) -> Verdict | None:
     if read is None or read[1] <= one_block:
         return None
     return method_verdict("paged_decode", case, "It gives the right answer, but not block by block: one operator "
-                          "copied more of the history out of the pools than one block at a time.",
-                          f"at most {one_block} elements copied out of a pool by one operator (one block of "
+                          "made more values out of the pools at once than one block holds (a gather, or blocks "
+                          "copied one by one and then joined).",
+                          f"at most {one_block} elements made from the pools by one operator (one block of "
                           f"{block_size} positions, for each of {num_heads} query heads)",
-                          f"`{read[0]}` copied {read[1]} elements at once")
+                          f"`{read[0]}` wrote {read[1]} elements made from them at once")
 

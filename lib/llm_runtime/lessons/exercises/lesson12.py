@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ...attention.metadata import AttentionMetadata
 from .check import Case, Compare, Verdict, close_tensors, method_verdict, run_cases, same_value
-from .operators import MATMULS, record_operators
+from .operators import MATMULS, python_lines, record_operators
 
 
 def check_slot_mappings(fn: object) -> Verdict:
@@ -47,14 +47,19 @@ def check_slot_mappings(fn: object) -> Verdict:
 
 
 def _no_loop_per_token(fn: object) -> Verdict | None:
-    """Fails an answer whose tensor operations grow with the number of tokens (a loop per token), or that
-    uses none (a Python loop over the tokens); None when one batch of tensor operations serves any count."""
+    """Fails an answer whose tensor operations grow with the number of tokens (a loop per token), that uses
+    none, or whose own Python lines grow with the tokens (a loop over the tokens, whatever tensor it ends in);
+    None when one batch of tensor operations serves any count."""
     tables, starts, block_size = [[7, 2, 9, 11, 12, 13, 14, 15, 16], [5, 6, 3, 8, 4, 10, 1, 0, 17]], [5, 0], 4
-    counts = {}
+    counts, lines = {}, {}
+
+    def arguments(tokens: int) -> list:
+        return [[list(t) for t in tables], list(starts), [tokens, tokens], block_size]
+
     for tokens in (3, 24):
-        args = [[list(t) for t in tables], list(starts), [tokens, tokens], block_size]
-        _, calls = record_operators(fn, *args)
+        _, calls = record_operators(fn, *arguments(tokens))
         counts[tokens] = len(calls)
+        lines[tokens] = python_lines(fn, *arguments(tokens))
     case = Case({"block_tables": tables, "starts": starts, "num_new_tokens": [24, 24], "block_size": block_size},
                 None, "two sequences, 3 and then 24 new tokens each")
     expected = "the same tensor operations for 3 new tokens a sequence as for 24 (whole tensors, no loop per token)"
@@ -65,6 +70,11 @@ def _no_loop_per_token(fn: object) -> Verdict | None:
         return method_verdict("slot_mappings", case, "It gives the right answer, but with a loop per token: the "
                               "more tokens, the more tensor operations.", expected,
                               f"{counts[3]} operations for 3 tokens a sequence, {counts[24]} for 24")
+    if lines[24] > lines[3]:
+        return method_verdict("slot_mappings", case, "It gives the right answer, but with a loop over the tokens "
+                              "in Python (the more tokens, the more lines Python runs), whatever tensor it ends in.",
+                              expected, f"{lines[3]} lines of your code run for 3 tokens a sequence, {lines[24]} "
+                              "for 24")
     return None
 
 

@@ -3,9 +3,9 @@
  *
  * Operator by operator, a batch-1 decode step of the bundled model in its 4-bit form enters 2,370 PyTorch
  * operators and 151 C kernels (lesson 19's profile); compiled, the 151 kernels and inductor's fused loops
- * remain, and each kernel wakes the threads of PyTorch's pool and waits for the slowest of them. Here the
- * threads enter once per step and stay: each stage below is split between them by `omp for`, and the
- * implicit barrier at its end is the only synchronisation between stages.
+ * remain, called from generated Python that allocates each kernel's output, the loops on one thread. Here one
+ * call does it all: the threads enter once per step and stay, each stage below is split between them by
+ * `omp for`, and the implicit barrier at its end is the only synchronisation between stages.
  *
  * Per layer, for N tokens (rows) of a ragged batch (decodes, the k + 1 rows of a sequence verifying drafts,
  * a short prefill chunk), with bfloat16 activations, int4 weights in PyTorch's CPU packing (lesson 13) and a
